@@ -1,0 +1,143 @@
+"""The consent admin HTTP API: grant, revoke (optionally with erasure) and list, as a FastAPI router.
+
+The engine mounts it with `app.include_router(build_admin_router(...), prefix="/admin")`. Every
+route requires `Authorization: Bearer <admin token>`; the check runs before the body is read, so an
+unauthenticated caller learns nothing from validation errors. Errors use the OpenAI shape
+`{"error": {"message", "type", "param", "code"}}`: 401 without a token, 403 with a wrong one, 400
+naming the field for a bad body (FastAPI's default would be a 422 in its own shape). Raw user ids are
+accepted only in request bodies, never in URLs, which end up in access logs. This module holds no
+consent logic; that is `consent.service`.
+"""
+
+import hmac
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import AwareDatetime, BaseModel, ConfigDict
+
+from consent.registry import ConsentRecord, ConsentRegistry, InvalidField
+from consent.service import ConsentService, record_fields
+from consent.settings import ConsentConfig
+from consent.tenants import TenantDirectory
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class GrantBody(_Body):
+    tenant: str
+    user: str | None = None
+    subject: str | None = None
+    purpose: str | None = None
+    policy_version: str | None = None
+    expires_at: AwareDatetime | None = None
+    source: str = "admin_api"
+
+
+class RevokeBody(_Body):
+    tenant: str
+    user: str | None = None
+    subject: str | None = None
+    purpose: str | None = None
+    erase: bool = False
+
+
+class QueryBody(_Body):
+    tenant: str | None = None
+    user: str | None = None
+    subject: str | None = None
+    purpose: str | None = None
+
+
+def error_response(status: int, message: str, param: str | None, code: str) -> JSONResponse:
+    """An OpenAI-style error body."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+class _AdminRoute(APIRoute):
+    """A route that authenticates first and renders errors in the OpenAI shape."""
+
+    admin_token: bytes = b""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            refused = self._refuse(request.headers.get("authorization"))
+            if refused is not None:
+                return refused
+            try:
+                return await handler(request)
+            except RequestValidationError as exc:
+                return _validation_error(exc)
+            except InvalidField as exc:
+                return error_response(400, str(exc), exc.field, "invalid_value")
+
+        return route
+
+    def _refuse(self, authorization: str | None) -> JSONResponse | None:
+        assert self.admin_token, "build the router with build_admin_router"
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            return error_response(401, "missing admin bearer token", None, "missing_admin_token")
+        if not hmac.compare_digest(token.strip().encode(), self.admin_token):
+            return error_response(403, "invalid admin token", None, "invalid_admin_token")
+        return None
+
+
+def _validation_error(exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0]
+    if first["type"] == "json_invalid":
+        reason = first.get("ctx", {}).get("error", "decode error")
+        return error_response(400, f"body is not valid JSON: {reason}", None, "invalid_json")
+    loc = [str(p) for p in first["loc"] if p not in ("body", "query")]
+    param = ".".join(loc) or None
+    message = f"{param}: {first['msg']}" if param else first["msg"]
+    return error_response(400, message, param, "invalid_value")
+
+
+def build_admin_router(
+    registry: ConsentRegistry, config: ConsentConfig, tenants: TenantDirectory
+) -> APIRouter:
+    """Routes `POST /consents`, `POST /consents/revoke`, `GET /consents`, `POST /consents/query`."""
+    service = ConsentService(registry, config, tenants)
+    route_class = type("AdminRoute", (_AdminRoute,), {"admin_token": config.admin_token.encode()})
+    router = APIRouter(route_class=route_class, tags=["consent admin"])
+
+    def actor(request: Request) -> str:
+        return f"admin_api:{request.client.host if request.client else 'unknown'}"
+
+    @router.post("/consents", status_code=201)
+    def grant(body: GrantBody, request: Request) -> dict[str, Any]:
+        record = service.grant(body.tenant, body.user, body.subject, body.purpose,
+                               body.policy_version, body.expires_at, body.source, actor(request))
+        return record_fields(record)
+
+    @router.post("/consents/revoke")
+    def revoke(body: RevokeBody, request: Request) -> dict[str, Any]:
+        outcome = service.revoke(body.tenant, body.user, body.subject, body.purpose, body.erase,
+                                 actor(request))
+        return {"revoked": [record_fields(r) for r in outcome.revoked], "erasure": outcome.erasure}
+
+    @router.get("/consents")
+    def list_consents(
+        tenant: str | None = None, subject: str | None = None, purpose: str | None = None
+    ) -> dict[str, Any]:
+        return _listing(service.list(tenant, None, subject, purpose))
+
+    @router.post("/consents/query")
+    def query(body: QueryBody) -> dict[str, Any]:
+        return _listing(service.list(body.tenant, body.user, body.subject, body.purpose))
+
+    return router
+
+
+def _listing(records: list[ConsentRecord]) -> dict[str, Any]:
+    return {"object": "list", "data": [record_fields(r) for r in records]}

@@ -1,0 +1,48 @@
+"""Revocation with erasure: revoke a subject's consent, remove their stored traces, audit it.
+
+Order matters: consent is revoked first, so no new trace of the subject is captured (or used by a
+dataset build) while Parquet files are rewritten; then `storage.erasure.erase_subject` rewrites
+every affected file without the subject's rows; then one audit entry records who asked, what was
+revoked and how many rows and files were rewritten. A failed erasure is audited as failed and
+re-raised, and can simply be run again. This module does not touch Parquet itself.
+"""
+
+import dataclasses
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from consent.audit import append_audit
+from consent.registry import ConsentRecord, ConsentRegistry
+
+
+def revoke_and_erase(
+    registry: ConsentRegistry,
+    traces_root: Path,
+    tenant: str,
+    subject: str,
+    audit_log: Path,
+    actor: str,
+    purpose: str | None = None,
+) -> tuple[list[ConsentRecord], dict[str, Any]]:
+    """Revoke `subject`'s consent (one purpose, or all) and erase their traces.
+
+    Returns the records revoked now and the audit entry written.
+
+    `subject` is the pseudonym; resolve a raw user id with `Pseudonymizer.subject` first.
+    """
+    from storage.erasure import erase_subject  # storage is heavy and optional for the engine
+
+    revoked = registry.revoke(tenant, subject, purpose, at=datetime.now(UTC))
+    what = {"tenant": tenant, "subject": subject, "purpose": purpose,
+            "consents_revoked": [r.consent_id for r in revoked], "traces_root": str(traces_root)}
+    try:
+        result = erase_subject(traces_root, tenant, subject)
+    except Exception as exc:
+        append_audit(audit_log, "revoke_and_erase", actor, status="failed", error=repr(exc), **what)
+        raise
+    assert dataclasses.is_dataclass(result), type(result)
+    entry = append_audit(
+        audit_log, "revoke_and_erase", actor, status="ok", erasure=dataclasses.asdict(result), **what
+    )
+    return revoked, entry

@@ -1,0 +1,128 @@
+"""Tenant policies from YAML, and the mapping from a bearer API key to its tenant.
+
+A tenant says whether its traffic may be captured at all, for which purpose and under which policy
+version, and may override the PII mode. Keys are kept only as SHA-256 digests once loaded and are
+compared in constant time. Without a tenants file (`make run`) every request belongs to the
+anonymous tenant, which is never captured. This module does not check consent or authenticate the
+admin API; see `deploy/tenants.example.yaml` for the format.
+"""
+
+import hashlib
+import hmac
+from collections.abc import Sequence
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+from consent.settings import PiiMode
+
+ANONYMOUS_NAME = "anonymous"
+DEFAULT_PURPOSE = "drafter_training"
+
+
+class TenantPolicy(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")
+    api_keys: tuple[SecretStr, ...] = ()
+    api_key_sha256: tuple[str, ...] = ()
+    capture_allowed: bool = False
+    purpose: str = Field(default=DEFAULT_PURPOSE, pattern=r"^[a-z][a-z0-9_]{0,63}$")
+    policy_version: str | None = None
+    pii_mode: PiiMode | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "TenantPolicy":
+        if self.capture_allowed and not self.policy_version:
+            raise ValueError("policy_version is required when capture_allowed is true")
+        if any(len(k.get_secret_value()) < 16 for k in self.api_keys):
+            raise ValueError("api_keys: each key must be at least 16 characters")
+        if any(len(d) != 64 or d.strip("0123456789abcdef") for d in self.api_key_sha256):
+            raise ValueError("api_key_sha256: each entry must be 64 lowercase hex digits")
+        return self
+
+    def key_digests(self) -> tuple[bytes, ...]:
+        plain = (_digest(k.get_secret_value()) for k in self.api_keys)
+        return (*plain, *(bytes.fromhex(d) for d in self.api_key_sha256))
+
+
+ANONYMOUS = TenantPolicy(name=ANONYMOUS_NAME, capture_allowed=False)
+
+
+class TenantsFile(BaseModel):
+    """The whole YAML document."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    allow_anonymous: bool = False
+    tenants: tuple[TenantPolicy, ...]
+
+    @model_validator(mode="after")
+    def _unique(self) -> "TenantsFile":
+        names = [t.name for t in self.tenants]
+        if ANONYMOUS_NAME in names:
+            raise ValueError(f"tenants: the name {ANONYMOUS_NAME!r} is reserved")
+        if len(set(names)) != len(names):
+            raise ValueError("tenants: names must be unique")
+        digests = [d for t in self.tenants for d in t.key_digests()]
+        if len(set(digests)) != len(digests):
+            raise ValueError("tenants: an API key is listed more than once")
+        return self
+
+
+class TenantDirectory:
+    """Resolves API keys and names to tenant policies. Immutable, so safe across threads."""
+
+    def __init__(self, tenants: Sequence[TenantPolicy], allow_anonymous: bool) -> None:
+        self.allow_anonymous = allow_anonymous
+        self._by_name = {t.name: t for t in (*tenants, ANONYMOUS)}
+        self._keys = [(d, t) for t in tenants for d in t.key_digests()]
+
+    @classmethod
+    def load(cls, path: Path | None) -> "TenantDirectory":
+        """Tenants from a YAML file; with no file, only the anonymous tenant, for any key."""
+        if path is None:
+            return cls((), allow_anonymous=True)
+        parsed = parse_tenants(path)
+        return cls(parsed.tenants, parsed.allow_anonymous)
+
+    def resolve(self, api_key: str | None) -> TenantPolicy | None:
+        """The tenant owning `api_key` (a bearer token), or None when the key must be refused.
+
+        No key, or any key when no tenant has keys configured, gives the anonymous tenant if
+        anonymous use is allowed. Every digest is compared, so timing does not reveal a prefix.
+        """
+        if api_key is None or not self._keys:
+            return ANONYMOUS if self.allow_anonymous else None
+        presented = _digest(api_key)
+        found = None
+        for digest, tenant in self._keys:
+            if hmac.compare_digest(digest, presented):
+                found = tenant
+        return found
+
+    def get(self, name: str) -> TenantPolicy | None:
+        return self._by_name.get(name)
+
+
+def parse_tenants(path: Path) -> TenantsFile:
+    """Read and validate a tenants YAML file; ValueError names the file and the field."""
+    try:
+        document = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"tenants file {path}: {exc}") from exc
+    try:
+        return TenantsFile.model_validate(document)
+    except ValidationError as exc:
+        raise ValueError(f"tenants file {path}: {_describe(exc)}") from exc
+
+
+def _describe(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or '(document)'}: {e['msg']}" for e in exc.errors()
+    )
+
+
+def _digest(api_key: str) -> bytes:
+    return hashlib.sha256(api_key.encode("utf-8", "surrogatepass")).digest()

@@ -1,0 +1,75 @@
+"""Serving-time DFlash: keeps each slot's drafter context K/V and drafts one block per propose call.
+
+`observe` fuses the target's tapped hidden states and writes every drafter layer's context
+keys/values at the observed positions (a `KVCache` laid out like the target's, one slot per
+sequence). `propose` runs the block `[last token, mask × k]` at positions `ctx_len .. ctx_len+k`
+against the first `ctx_len` context rows of each slot (ragged lengths handled by a key mask) and
+returns argmax drafts through the target's own LM head, which is borrowed, never copied into the
+artifact. The block's own K/V are never cached: each propose starts from the context alone.
+
+Not here: the drafter maths (`engine/dflash.py`), acceptance (`engine/speculation.py`).
+"""
+
+import torch
+
+from engine.dflash import DFlashDrafter
+from engine.kv_cache import AttnBatch, KVCache
+from engine.model import Transformer
+from engine.proposer import Proposer
+
+
+class DFlashProposer(Proposer):
+    def __init__(self, drafter: DFlashDrafter, target: Transformer, block_size: int | None = None) -> None:
+        c = drafter.config
+        c.check_target(target.config)
+        block_size = block_size or c.block_size
+        if not 2 <= block_size <= c.block_size:
+            raise ValueError(f"block_size must be in 2..{c.block_size} (the trained block size), got {block_size}")
+        self.drafter = drafter.to(device=target.device, dtype=target.dtype).eval()
+        self.target = target
+        self.block_size = block_size
+        self.tap_layers = c.tap_layers
+        # A private copy of the kept head rows: slicing 49152 rows on every call would cost more than
+        # the drafter layer itself.
+        self.head = drafter.head_weight(target.lm_head).detach().clone() if drafter.trimmed else target.lm_head.weight
+        self.cache: KVCache | None = None
+
+    def allocate(self, num_slots: int, max_len: int) -> None:
+        d = self.drafter
+        self.cache = KVCache(d.config.model_config, num_slots, max_len, self.target.dtype, self.target.device)
+
+    def release(self, slot: int) -> None:
+        pass  # rows are overwritten by the slot's next owner, whose lengths start from zero
+
+    @torch.no_grad()
+    def observe(self, slots: list[int], starts: list[int], taps: list[torch.Tensor], token_ids: torch.Tensor) -> None:
+        assert self.cache is not None, "allocate() before observe()"
+        B, n = token_ids.shape
+        batch = AttnBatch.build(slots, starts, n, self.target.device, self.cache.max_len)
+        fused = self.drafter.fuse(taps)  # [B, n, H]
+        for layer, (k, v) in enumerate(self.drafter.context_kv(fused, batch.positions)):
+            self.cache.write(layer, batch, k, v)
+
+    @torch.no_grad()
+    def propose(self, slots: list[int], ctx_lens: list[int], last_tokens: torch.Tensor,
+                histories: list[list[int]]) -> torch.Tensor:
+        logits = self.block_logits(slots, ctx_lens, last_tokens)  # [B, k, V']
+        ids = logits.argmax(dim=-1)
+        return self.drafter.vocab_ids[ids] if self.drafter.trimmed else ids
+
+    def block_logits(self, slots: list[int], ctx_lens: list[int], last_tokens: torch.Tensor) -> torch.Tensor:
+        """Draft logits `[B, k, V']` over the drafter's output vocabulary."""
+        assert self.cache is not None, "allocate() before propose()"
+        device, bs = self.target.device, self.block_size
+        B, T = len(slots), max(ctx_lens)
+        slot_t = torch.tensor(slots, dtype=torch.long, device=device)
+        lens = torch.tensor(ctx_lens, dtype=torch.long, device=device)
+        ctx = [(self.cache.k[i, slot_t, :, :T], self.cache.v[i, slot_t, :, :T])  # [B, Hkv, T, D]
+               for i in range(self.drafter.config.num_layers)]
+        sees_ctx = torch.arange(T, device=device).view(1, -1) < lens.view(-1, 1)  # [B, T]
+        mask = torch.cat([sees_ctx, torch.ones(B, bs, dtype=torch.bool, device=device)], dim=1)
+        mask = mask.view(B, 1, 1, T + bs).expand(B, 1, bs, T + bs)
+        positions = lens.view(-1, 1) + torch.arange(bs, device=device)  # [B, bs]
+        x = self.drafter.embed_block(last_tokens.to(device).view(B, 1), bs, self.target.embed)  # [B, bs, H]
+        hidden = self.drafter.run_blocks(x, positions, ctx, mask)  # [B, bs, H]
+        return (hidden[:, 1:] @ self.head.T).float()

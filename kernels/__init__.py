@@ -1,0 +1,1 @@
+"""NVFP4 formats and Triton kernels (a later issue)."""

@@ -1,0 +1,6 @@
+"""Trace storage: schema v1, the Kafka producer, the Parquet sink, compaction, erasure, datasets.
+
+Modules: `schema` (the record and its Arrow shape), `producer` (engine -> Kafka), `sink`
+(Kafka -> Parquet), `layout` (paths, durable writes, the live file list), `compaction`, `erasure`,
+`dataset` (DuckDB builder), `broker` (embedded tansu for development and tests), `cli`.
+"""

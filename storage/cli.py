@@ -1,0 +1,161 @@
+"""The storage commands of `specloop`: `sink`, `compact`, `build-dataset` and `broker`.
+
+`register(app)` adds them to the one typer app (`daemon.cli`); `python -m storage.cli ...` runs the
+same commands without the other packages (the fault test starts the sink that way). Each command
+validates its options, then calls one function of the storage package; no storage logic lives here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+from dataclasses import asdict
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+_SERVERS = typer.Option(help="Kafka bootstrap servers, host:port[,host:port]")
+_ROOT = typer.Option(help="Root directory of the trace Parquet files")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("sink")(sink)
+    app.command("compact")(compact)
+    app.command("build-dataset")(build_dataset)
+    app.command("broker")(broker)
+
+
+def sink(
+    bootstrap_servers: Annotated[str, _SERVERS],
+    root: Annotated[Path, _ROOT],
+    topic: str = "traces",
+    group_id: str = "specloop-sink",
+    dead_letter_topic: str = "traces.dlq",
+    flush_records: int = 50_000,
+    flush_interval_s: float = 30.0,
+    max_trace_bytes: int = 1024 * 1024,
+    metrics_port: Annotated[int, typer.Option(help="Serve Prometheus metrics here; 0 = off")] = 0,
+    kafka_config: Annotated[str, typer.Option(help="JSON object of extra kafka-python settings (SASL/TLS)")] = "{}",
+) -> None:
+    """Consume traces from Kafka into hive-partitioned Parquet until SIGTERM or SIGINT."""
+    from prometheus_client import start_http_server
+
+    from storage.broker import ensure_topics
+    from storage.sink import SinkConfig, TraceSink
+
+    _log_to_stderr()
+    config = SinkConfig(
+        bootstrap_servers=bootstrap_servers,
+        root=root,
+        topic=topic,
+        group_id=group_id,
+        dead_letter_topic=dead_letter_topic,
+        flush_records=flush_records,
+        flush_interval_s=flush_interval_s,
+        max_trace_bytes=max_trace_bytes,
+        kafka_config=_json_object(kafka_config, "--kafka-config"),
+    )
+    if metrics_port:
+        start_http_server(metrics_port, addr="127.0.0.1")
+    ensure_topics(bootstrap_servers, {dead_letter_topic: 1})
+    TraceSink(config).run(_stop_on_signal())
+
+
+def compact(root: Annotated[Path, _ROOT], min_files: int = 2) -> None:
+    """Merge the small Parquet files of each hive directory, rows unchanged."""
+    from storage.compaction import compact as run_compaction
+
+    _log_to_stderr()
+    result = run_compaction(root, min_files)
+    typer.echo(f"merged {result.sources_removed} files ({result.rows} rows) into {len(result.merged_files)}")
+
+
+def build_dataset(
+    root: Annotated[Path, _ROOT],
+    output: Annotated[Path, typer.Option(help="Directory for train/eval Parquet and manifest.json")],
+    consent_db: Annotated[Path, typer.Option(help="The consent registry SQLite file")],
+    base_model: Annotated[str, typer.Option(help="Base-model fingerprint to select")],
+    since: Annotated[datetime | None, typer.Option(help="Earliest created_at (UTC)")] = None,
+    until: Annotated[datetime | None, typer.Option(help="Latest created_at, exclusive (UTC)")] = None,
+    limit: int | None = None,
+    eval_fraction: float = 0.1,
+    purpose: str = "drafter_training",
+) -> None:
+    """Build a drafter-training dataset from consented traces of one base model."""
+    from consent.registry import ConsentRegistry
+    from storage.dataset import build_dataset as run_build
+
+    registry = ConsentRegistry(consent_db)
+    try:
+        snapshot = registry.snapshot(purpose)
+    finally:
+        registry.close()
+    manifest = run_build(
+        root,
+        output,
+        snapshot,
+        base_model=base_model,
+        since=_as_utc(since),
+        until=_as_utc(until),
+        limit=limit,
+        eval_fraction=eval_fraction,
+    )
+    typer.echo(json.dumps(asdict(manifest), indent=2))
+
+
+def broker(
+    storage: Annotated[str, typer.Option(help="memory (lost on restart) or s3 (local moto, durable)")] = "memory",
+    port: int = 9092,
+) -> None:
+    """Run the embedded tansu broker in the foreground until SIGTERM or SIGINT."""
+    from storage.broker import EmbeddedBroker, LocalS3
+
+    if storage not in ("memory", "s3"):
+        raise typer.BadParameter(f"storage must be memory or s3, got {storage!r}", param_hint="--storage")
+    stop = _stop_on_signal()
+    s3 = LocalS3().start() if storage == "s3" else None
+    try:
+        with EmbeddedBroker(s3=s3, port=port) as running:
+            typer.echo(f"tansu ({storage}) listening on {running.bootstrap_servers}")
+            stop.wait()
+    finally:
+        if s3 is not None:
+            s3.stop()
+
+
+def _json_object(text: str, option: str) -> dict[str, object]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise typer.BadParameter(f"not JSON: {error}", param_hint=option) from None
+    if not isinstance(value, dict):
+        raise typer.BadParameter("must be a JSON object", param_hint=option)
+    return value
+
+
+def _as_utc(at: datetime | None) -> datetime | None:
+    """typer parses naive datetimes; the command line means UTC."""
+    from datetime import UTC
+
+    return at if at is None or at.tzinfo else at.replace(tzinfo=UTC)
+
+
+def _stop_on_signal() -> threading.Event:
+    stop = threading.Event()
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, lambda *_: stop.set())
+    return stop
+
+
+def _log_to_stderr() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+if __name__ == "__main__":
+    _app = typer.Typer(no_args_is_help=True, add_completion=False)
+    register(_app)
+    _app()

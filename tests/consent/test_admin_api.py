@@ -1,0 +1,127 @@
+"""The consent admin API over real HTTP: auth, OpenAI-style errors, grant/revoke/erase/list."""
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from consent.admin_api import build_admin_router
+from consent.pseudonym import Pseudonymizer
+from consent.registry import ConsentRegistry
+from consent.settings import ConsentConfig
+from consent.tenants import TenantDirectory
+
+ADMIN_TOKEN = "adm1n-tok3n-for-tests-9f8e7d6c5b4a3210"
+AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+@pytest.fixture
+def client(registry: ConsentRegistry, config: ConsentConfig,
+           tenants: TenantDirectory) -> Iterator[TestClient]:
+    assert config.admin_token == ADMIN_TOKEN
+    app = FastAPI()
+    app.include_router(build_admin_router(registry, config, tenants), prefix="/admin")
+    with TestClient(app) as c:
+        yield c
+
+
+def assert_error(response: object, status: int, param: str | None, code: str) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["param"], error["code"]) == (param, code)
+    assert error["message"]
+
+
+@pytest.mark.parametrize(
+    ("headers", "status", "code"),
+    [
+        ({}, 401, "missing_admin_token"),
+        ({"Authorization": "Basic abc"}, 401, "missing_admin_token"),
+        ({"Authorization": "Bearer "}, 401, "missing_admin_token"),
+        ({"Authorization": "Bearer wrong-token"}, 403, "invalid_admin_token"),
+        ({"Authorization": f"Bearer {ADMIN_TOKEN}x"}, 403, "invalid_admin_token"),
+    ],
+)
+def test_auth_required_before_body_is_read(client: TestClient, headers: dict, status: int,
+                                           code: str) -> None:
+    for method, url, body in [("POST", "/admin/consents", "{not json"),
+                              ("POST", "/admin/consents/revoke", "{}"),
+                              ("GET", "/admin/consents", None)]:
+        response = client.request(method, url, content=body, headers=headers)
+        assert_error(response, status, None, code)
+
+
+def test_grant_list_revoke(client: TestClient, registry: ConsentRegistry,
+                           pseudonymizer: Pseudonymizer, config: ConsentConfig) -> None:
+    response = client.post("/admin/consents", headers=AUTH, json={
+        "tenant": "acme", "user": "alice", "expires_at": "2099-01-01T00:00:00Z"})
+    assert response.status_code == 201, response.text
+    granted = response.json()
+    subject = pseudonymizer.subject("acme", "alice")
+    assert granted["subject"] == subject
+    assert (granted["purpose"], granted["policy_version"]) == ("drafter_training", "2025-06")
+    assert granted["expires_at"] == "2099-01-01T00:00:00+00:00"
+    assert registry.list(subject=subject)[0].consent_id == granted["consent_id"]
+
+    listed = client.get("/admin/consents", headers=AUTH, params={"tenant": "acme"}).json()
+    assert [r["consent_id"] for r in listed["data"]] == [granted["consent_id"]]
+    queried = client.post("/admin/consents/query", headers=AUTH,
+                          json={"tenant": "acme", "user": "alice"}).json()
+    assert queried == listed
+
+    revoked = client.post("/admin/consents/revoke", headers=AUTH,
+                          json={"tenant": "acme", "subject": subject}).json()
+    assert revoked["erasure"] is None
+    assert revoked["revoked"][0]["revoked_at"] is not None
+    events = [json.loads(x)["event"] for x in config.audit_log_path.read_text().splitlines()]
+    assert events == ["grant", "revoke"]
+    assert "alice" not in config.audit_log_path.read_text()
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"user": "alice"}, "tenant"),
+        ({"tenant": "acme"}, "user"),
+        ({"tenant": "acme", "user": "a", "subject": "1" * 64}, "user"),
+        ({"tenant": "acme", "subject": "alice"}, "subject"),
+        ({"tenant": "nope", "user": "alice"}, "tenant"),
+        ({"tenant": "initech", "user": "alice"}, "policy_version"),
+        ({"tenant": "acme", "user": "alice", "expires_at": "2099-01-01T00:00:00"}, "expires_at"),
+        ({"tenant": "acme", "user": "alice", "expires_at": "2001-01-01T00:00:00Z"}, "expires_at"),
+        ({"tenant": "acme", "user": "alice", "purpose": "Bad Purpose"}, "purpose"),
+        ({"tenant": "acme", "user": "alice", "colour": "red"}, "colour"),
+        ({"tenant": 5, "user": "alice"}, "tenant"),
+    ],
+)
+def test_bad_grant_is_400_naming_the_field(client: TestClient, body: dict, param: str) -> None:
+    assert_error(client.post("/admin/consents", headers=AUTH, json=body), 400, param,
+                 "invalid_value")
+
+
+def test_malformed_json_is_400(client: TestClient) -> None:
+    headers = AUTH | {"Content-Type": "application/json"}
+    response = client.post("/admin/consents", headers=headers, content="{not json")
+    assert_error(response, 400, None, "invalid_json")
+    assert "not valid JSON" in response.json()["error"]["message"]
+
+
+def test_revoke_with_erase(client: TestClient, pseudonymizer: Pseudonymizer,
+                           write_traces: Callable[[list[tuple[str, str]], int], Path],
+                           subject_rows: Callable[[str, str], int]) -> None:
+    pytest.importorskip("storage.erasure")
+    subject = pseudonymizer.subject("acme", "bob")
+    client.post("/admin/consents", headers=AUTH, json={"tenant": "acme", "user": "bob"})
+    write_traces([("acme", subject), ("acme", "f" * 64)], 0)
+    response = client.post("/admin/consents/revoke", headers=AUTH,
+                           json={"tenant": "acme", "user": "bob", "erase": True})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["erasure"]["erasure"]["rows_removed"] == 1
+    assert len(body["revoked"]) == 1
+    assert subject_rows("acme", subject) == 0
+    assert subject_rows("acme", "f" * 64) == 1

@@ -1,0 +1,1 @@
+"""Tests of the serving engine, its model and its speculation."""

@@ -1,0 +1,30 @@
+"""Tiny random target models and drafters shared by the DFlash tests (seconds on a CPU)."""
+
+import torch
+
+from engine.config import ModelConfig
+from engine.dflash import DFlashConfig, DFlashDrafter
+from engine.model import Transformer
+
+
+def tiny_target(seed: int = 0, vocab: int = 64, layers: int = 6) -> Transformer:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=layers,
+                      num_heads=4, num_kv_heads=2, head_dim=8, max_position=256, tie_word_embeddings=True)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+        for layer in model.layers:
+            layer.input_norm.weight.fill_(1.0)
+            layer.post_norm.weight.fill_(1.0)
+        model.norm.weight.fill_(1.0)
+    return model.eval()
+
+
+def tiny_drafter(target: Transformer, block_size: int = 4, num_layers: int = 2, seed: int = 1) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    drafter = DFlashDrafter(DFlashConfig.for_target(target.config, num_layers, num_taps=3, block_size=block_size))
+    with torch.no_grad():
+        drafter.mask_embedding.normal_()
+    return drafter.eval()

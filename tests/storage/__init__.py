@@ -1,0 +1,1 @@
+"""Tests of the storage package: schema, sink, compaction, dataset builder, erasure."""
