@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/specloop serve
+	$(BIN)/specloop up
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra

@@ -6,9 +6,12 @@ weights our GGUF reader dequantized (transformers as its own `LlamaForCausalLM`)
 same arithmetic on the same numbers.
 
 - batch 1: decode tokens/s of one request, `(N - 1) / (t(N) - t(1))`, i.e. with the prefill and the
-  first token taken out; the median over a few prompts.
+  first token taken out.
 - concurrency 8: aggregate tokens/s of 8 requests at once, `8 N / t`, prefill included (the engine
   batches them continuously; transformers gets one left-padded batch).
+
+Every column is the median over `--repeats` rounds, and each round measures every system in turn,
+so load from other processes on a shared machine falls on all of them alike.
 
 Our engine is measured directly (`LLMEngine.generate`) and, unless `--no-http`, through the real
 server (uvicorn, `/v1/completions`, one HTTP client thread per request).
@@ -27,8 +30,9 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -60,6 +64,9 @@ QUESTIONS = [
 CONCURRENCY = 8
 
 
+Runner = Callable[[list[list[int]], int], None]  # generate n tokens for every prompt, all at once
+
+
 @dataclass(frozen=True)
 class Row:
     system: str
@@ -72,71 +79,66 @@ def chat_prompts(tok: Tokenizer) -> list[list[int]]:
     return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}])) for q in QUESTIONS]
 
 
-def batch1_rate(generate: Callable[[list[int], int], None], prompts: list[list[int]], new_tokens: int) -> float:
-    """Median decode tokens/s of single requests; `generate(prompt, n)` runs one to n tokens."""
-    rates = []
-    for prompt in prompts:
-        t1 = _timed(lambda: generate(prompt, 1))
-        tn = _timed(lambda: generate(prompt, new_tokens))
-        rates.append((new_tokens - 1) / (tn - t1))
-    return statistics.median(rates)
-
-
 def _timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
 
 
+def measure(runners: dict[tuple[str, str], Runner], prompts: list[list[int]], new_tokens: int, repeats: int,
+            batch1_only: set[tuple[str, str]]) -> list[Row]:
+    """Round-robin over the systems `repeats` times; medians per system."""
+    b1: dict[tuple[str, str], list[float]] = {k: [] for k in runners}
+    conc: dict[tuple[str, str], list[float]] = {k: [] for k in runners}
+    for run in runners.values():
+        run(prompts[:1], 8)  # warm-up: first-call allocations, oneDNN kernel selection
+    for i in range(repeats):
+        prompt = [prompts[i % len(prompts)]]
+        for key, run in runners.items():
+            t1, tn = _timed(lambda: run(prompt, 1)), _timed(lambda: run(prompt, new_tokens))
+            b1[key].append((new_tokens - 1) / (tn - t1))
+            if key not in batch1_only:
+                conc[key].append(CONCURRENCY * new_tokens / _timed(lambda: run(prompts, new_tokens)))
+        print(f"  round {i + 1}/{repeats} done", flush=True)
+    return [Row(system, dtype, statistics.median(b1[(system, dtype)]),
+                statistics.median(conc[(system, dtype)]) if conc[(system, dtype)] else None)
+            for system, dtype in runners]
+
+
 # ------------------------------------------------------------------------------------------ our engine
 
 
-def bench_engine(model: Transformer, eos: tuple[int, ...], prompts: list[list[int]], new_tokens: int,
-                 repeats: int) -> tuple[float, float]:
+def engine_runner(model: Transformer, eos: tuple[int, ...]) -> Runner:
     engine = LLMEngine(model, EngineConfig(num_slots=CONCURRENCY, max_len=1024), eos)
 
     def run(batch: list[list[int]], n: int) -> None:
         seqs = engine.generate(batch, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
         assert all(len(s.output_ids) == n for s in seqs)
 
-    run(prompts[:1], 8)  # warm-up: first-call allocations
-    b1 = batch1_rate(lambda p, n: run([p], n), prompts[:repeats], new_tokens)
-    conc = CONCURRENCY * new_tokens / min(_timed(lambda: run(prompts, new_tokens)) for _ in range(repeats))
-    return b1, conc
+    return run
 
 
-# ------------------------------------------------------------------------------ our engine, through HTTP
-
-
-def bench_http(loaded: LoadedModel, prompts: list[list[int]], new_tokens: int, repeats: int) -> tuple[float, float]:
-    """The same measurement through the real server: uvicorn, the OpenAI API, JSON, detokenization."""
+@contextmanager
+def http_runner(loaded: LoadedModel) -> Iterator[Runner]:
+    """Our engine behind the real server: uvicorn, the OpenAI API, JSON, detokenization."""
     settings = ServerSettings(num_slots=CONCURRENCY, max_len=1024)
     engine = LLMEngine(loaded.model, settings.engine_config(), loaded.tokenizer.eos_token_ids)
-    engine.start()
-    try:
-        with serve_in_thread(build_app(loaded, engine, settings)) as url, httpx.Client(timeout=600) as client:
-            def run(prompt: list[int], n: int) -> None:
-                body = {"model": loaded.name, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
-                r = client.post(f"{url}/v1/completions", json=body)
-                assert r.json()["usage"]["completion_tokens"] == n
+    with serve_in_thread(build_app(loaded, engine, settings)) as url, httpx.Client(timeout=600) as client:
+        def one(prompt: list[int], n: int) -> None:
+            body = {"model": loaded.name, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+            assert client.post(f"{url}/v1/completions", json=body).json()["usage"]["completion_tokens"] == n
 
-            def run_all() -> None:
-                with ThreadPoolExecutor(CONCURRENCY) as pool:
-                    list(pool.map(lambda p: run(p, new_tokens), prompts))
+        def run(batch: list[list[int]], n: int) -> None:
+            with ThreadPoolExecutor(len(batch)) as pool:
+                list(pool.map(lambda p: one(p, n), batch))
 
-            run(prompts[0], 8)
-            b1 = batch1_rate(run, prompts[:repeats], new_tokens)
-            conc = CONCURRENCY * new_tokens / min(_timed(run_all) for _ in range(repeats))
-    finally:
-        engine.stop()
-    return b1, conc
+        yield run
 
 
 # ---------------------------------------------------------------------------------------- transformers
 
 
-def bench_transformers(model: torch.nn.Module, prompts: list[list[int]], pad_id: int, new_tokens: int,
-                       repeats: int) -> tuple[float, float]:
+def transformers_runner(model: torch.nn.Module, pad_id: int) -> Runner:
     device = next(model.parameters()).device
 
     @torch.inference_mode()
@@ -148,27 +150,25 @@ def bench_transformers(model: torch.nn.Module, prompts: list[list[int]], pad_id:
                              pad_token_id=pad_id)
         assert out.shape[1] == width + n
 
-    run(prompts[:1], 8)
-    b1 = batch1_rate(lambda p, n: run([p], n), prompts[:repeats], new_tokens)
-    conc = CONCURRENCY * new_tokens / min(_timed(lambda: run(prompts, new_tokens)) for _ in range(repeats))
-    return b1, conc
+    return run
 
 
 # ------------------------------------------------------------------------------------ llama.cpp (optional)
 
 
-def bench_llama_cpp(gguf: Path, prompts: list[list[int]], new_tokens: int, repeats: int) -> float:
+def llama_cpp_runner(gguf: Path) -> Runner:
+    """Batch 1 only: llama-cpp-python's high-level API runs one sequence at a time."""
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(gguf), n_ctx=1024, n_threads=os.cpu_count(), verbose=False)
 
-    def run(prompt: list[int], n: int) -> None:
+    def run(batch: list[list[int]], n: int) -> None:
+        (prompt,) = batch
         tokens = llm.generate(prompt, top_k=1, temp=0.0, reset=True)  # endless: EOS is not checked here
         for _, _ in zip(range(n), tokens):
             pass
 
-    run(prompts[0], 8)
-    return batch1_rate(run, prompts[:repeats], new_tokens)
+    return run
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -177,46 +177,51 @@ def bench_llama_cpp(gguf: Path, prompts: list[list[int]], new_tokens: int, repea
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3, help="prompts timed at batch 1; runs at concurrency 8")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds over all systems")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--http", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure our engine through the HTTP server")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     device, gguf = torch.device(args.device), default_model_path()
+    load_before = os.getloadavg()[0]
     _, ckpt = read_checkpoint(gguf)
     prompts = chat_prompts(ckpt.tokenizer)
-    pad = ckpt.tokenizer.eos_token_ids[0]
+    fingerprint = base_model_fingerprint(ckpt.weights_digest, ckpt.config, ckpt.tokenizer)
 
-    rows: list[Row] = []
-    fingerprint = base_model_fingerprint(ckpt.weights_digest, ckpt.tokenizer)
-    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-        ours = build_model(ckpt, dtype, device)
-        rows.append(Row("specloop", name, *bench_engine(ours, ckpt.tokenizer.eos_token_ids, prompts,
-                                                        args.new_tokens, args.repeats)))
-        if args.http:
-            loaded = LoadedModel(ours, ckpt.tokenizer, fingerprint, ckpt.name, gguf)
-            rows.append(Row("specloop HTTP", name, *bench_http(loaded, prompts, args.new_tokens, args.repeats)))
-        del ours
-        hf = transformers_llama(ckpt, dtype, device)
-        rows.append(Row("transformers", name, *bench_transformers(hf, prompts, pad, args.new_tokens, args.repeats)))
-        del hf
-        _print_progress(rows[-3 if args.http else -2:])
-    if importlib.util.find_spec("llama_cpp") is not None:
-        rows.append(Row("llama.cpp", "Q4_1", bench_llama_cpp(gguf, prompts, args.new_tokens, args.repeats), None))
+    runners: dict[tuple[str, str], Runner] = {}
+    batch1_only = set()
+    with ExitStack() as stack:
+        for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+            ours = build_model(ckpt, dtype, device)
+            runners[("specloop", name)] = engine_runner(ours, ckpt.tokenizer.eos_token_ids)
+            if args.http:
+                loaded = LoadedModel(ours, ckpt.tokenizer, fingerprint, ckpt.name, gguf)
+                runners[("specloop HTTP", name)] = stack.enter_context(http_runner(loaded))
+            hf = transformers_llama(ckpt, dtype, device)
+            runners[("transformers", name)] = transformers_runner(hf, ckpt.tokenizer.eos_token_ids[0])
+        if importlib.util.find_spec("llama_cpp") is not None:
+            runners[("llama.cpp", "Q4_1")] = llama_cpp_runner(gguf)
+            batch1_only.add(("llama.cpp", "Q4_1"))
+        rows = measure(runners, prompts, args.new_tokens, args.repeats, batch1_only)
 
     report = {
         "model": gguf.name,
         "device": str(device),
         "cpu": platform.processor() or platform.machine(),
         "threads": torch.get_num_threads(),
+        # Other processes competing for the cores slow every column; round-robin spreads it evenly.
+        "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]},
         "torch": torch.__version__,
         "new_tokens": args.new_tokens,
         "concurrency": CONCURRENCY,
+        "repeats": args.repeats,
         "rows": [asdict(r) for r in rows],
-        "speedup_batch1": {r.dtype: _speedup(rows, r.dtype, "batch1_tok_s") for r in rows if r.system == "specloop"},
-        "speedup_concurrent": {r.dtype: _speedup(rows, r.dtype, "concurrent_tok_s")
-                               for r in rows if r.system == "specloop"},
+        "speedup_vs_transformers": {
+            dtype: {"batch1": _speedup(rows, dtype, "batch1_tok_s"),
+                    "concurrent": _speedup(rows, dtype, "concurrent_tok_s")}
+            for dtype in ("float32", "bfloat16")
+        },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
@@ -228,12 +233,6 @@ def _speedup(rows: list[Row], dtype: str, column: str) -> float:
     ours = next(getattr(r, column) for r in rows if r.system == "specloop" and r.dtype == dtype)
     theirs = next(getattr(r, column) for r in rows if r.system == "transformers" and r.dtype == dtype)
     return round(ours / theirs, 2)
-
-
-def _print_progress(rows: list[Row]) -> None:
-    for r in rows:
-        print(f"  {r.system:12s} {r.dtype:8s} batch 1 {r.batch1_tok_s:7.1f} tok/s, "
-              f"concurrency {CONCURRENCY} {r.concurrent_tok_s:7.1f} tok/s", flush=True)
 
 
 def markdown_table(rows: list[Row]) -> str:

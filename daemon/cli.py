@@ -22,6 +22,9 @@ def _register_all() -> None:
     from consent import cli as consent_cli
 
     consent_cli.register(app)
+    from daemon import stack
+
+    stack.register(app)
 
 
 def main() -> None:

@@ -6,21 +6,32 @@ Every error a client can cause comes back as OpenAI's error JSON with a 4xx stat
 field; validation errors are 400, not FastAPI's 422. A client that disconnects, streaming or not,
 has its engine request aborted so its KV-cache slot is freed.
 
-The app does not own the engine's lifecycle: whoever builds it starts and stops the engine
-(`engine/cli.py`, test fixtures). Request orchestration lives in `serving.py`.
+Every `/v1` route authenticates first: `Authorization: Bearer <key>` names the tenant through
+the `TenantDirectory` (a key it does not know is a 401 `invalid_api_key`, before the body is even
+validated). Without a tenants file every request is tenant `anonymous`, never captured, whatever
+key the client sends (the openai client always sends one). The subject whose consent decides
+capture is the `X-Specloop-User` header when present, else the body's `user` field: the header is
+what a gateway in front of the application sets after authenticating the end user, so it is
+trusted over what the application put in the body. `/health`, `/ready` and `/metrics` are open;
+routers in `extra_routers` (the consent admin API) bring their own authentication.
+
+The app owns the engine's thread: its lifespan starts the engine when the server starts and stops
+it at shutdown, after uvicorn has let in-flight requests finish, then runs the `on_shutdown`
+callbacks (flushing trace capture). Request orchestration lives in `serving.py`.
 """
 
 import asyncio
 import logging
-import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from consent.tenants import TenantDirectory
 from engine.llm_engine import LLMEngine, PromptTooLong
 from engine.loading import LoadedModel
 from engine.metrics import CONTENT_TYPE, ServerMetrics
@@ -39,6 +50,7 @@ COMPLETIONS, CHAT = "completions", "chat.completions"  # endpoint names in metri
 _ENDPOINTS = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT}
 _OPENAI_DEFAULT_MAX_TOKENS = 16  # what OpenAI's legacy completions endpoint generates when unset
 _DISCONNECTED = 499  # nginx's "client closed request", as the status label for aborted requests
+SUBJECT_HEADER = "X-Specloop-User"
 
 
 class APIError(Exception):
@@ -55,21 +67,39 @@ class APIError(Exception):
 
 
 def build_app(loaded: LoadedModel, engine: LLMEngine, settings: ServerSettings,
-              extra_routers: Iterable[APIRouter] = (), on_finish: FinishHook | None = None) -> FastAPI:
+              extra_routers: Iterable[APIRouter] = (), on_finish: FinishHook | None = None,
+              tenants: TenantDirectory | None = None, metrics: ServerMetrics | None = None,
+              on_shutdown: Iterable[Callable[[], None]] = ()) -> FastAPI:
     """The app for one model. `on_finish` is called once per finished request (trace capture).
 
     `extra_routers` are mounted as they are; they reach the shared `ServingContext` (engine,
-    tokenizer, metrics) through `request.app.state.serving`.
+    tokenizer, metrics) through `request.app.state.serving`. `tenants` maps API keys to tenants
+    (None: everyone is `anonymous`). Pass `metrics` when other parts (capture) count on its
+    registry; `on_shutdown` runs after the engine has stopped.
     """
-    metrics = ServerMetrics(engine.stats)
+    metrics = metrics or ServerMetrics(engine.stats)
+    tenants = tenants or TenantDirectory.load(None)
+    closers = tuple(on_shutdown)
     ctx = ServingContext(engine=engine, tokenizer=loaded.tokenizer, metrics=metrics,
                          model=settings.served_model_name or loaded.name, fingerprint=loaded.fingerprint,
                          on_finish=on_finish)
-    app = FastAPI(title="specloop", summary="OpenAI-compatible serving with speculative decoding")
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.stop)
+            log.info("engine stopped")
+            for close in closers:
+                await asyncio.to_thread(close)
+
+    app = FastAPI(title="specloop", summary="OpenAI-compatible serving with speculative decoding",
+                  lifespan=lifespan)
     app.state.serving = ctx
     _install_error_handlers(app, metrics)
     app.include_router(_ops_router(ctx))
-    app.include_router(_openai_router(ctx))
+    app.include_router(_openai_router(ctx), dependencies=[Depends(_authenticator(tenants))])
     for router in extra_routers:
         app.include_router(router)
     return app
@@ -156,6 +186,30 @@ def _ops_router(ctx: ServingContext) -> APIRouter:
     return router
 
 
+# ------------------------------------------------------------------------------------------ tenants
+
+
+def _authenticator(tenants: TenantDirectory) -> Callable[[Request], Awaitable[None]]:
+    """A dependency that puts the caller's tenant name on `request.state.tenant`, or raises a 401."""
+
+    async def authenticate(request: Request) -> None:
+        tenant = tenants.resolve(_bearer_key(request.headers.get("authorization")))
+        if tenant is None:
+            raise APIError(401, "invalid or missing API key: send `Authorization: Bearer <key>` with a key "
+                                "issued to your tenant", code="invalid_api_key", kind="authentication_error")
+        request.state.tenant = tenant.name
+
+    return authenticate
+
+
+def _bearer_key(authorization: str | None) -> str | None:
+    """The key of a `Bearer` header; any other scheme is returned whole, so it matches no key."""
+    if authorization is None:
+        return None
+    scheme, _, key = authorization.strip().partition(" ")
+    return key.strip() if scheme.lower() == "bearer" and key.strip() else authorization
+
+
 # ------------------------------------------------------------------------------------------ OpenAI API
 
 
@@ -230,7 +284,8 @@ def _request_input(ctx: ServingContext, request: Request, body: CompletionReques
                             top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos)
     return RequestInput(request_id=new_id("chatcmpl" if endpoint == CHAT else "cmpl"),
                         endpoint=endpoint, prompt_ids=prompt_ids, prompt_text=prompt_text, params=params,
-                        stop=body.stop_strings, tenant=request.headers.get("openai-organization"), user=body.user)
+                        stop=body.stop_strings, tenant=request.state.tenant,
+                        user=request.headers.get(SUBJECT_HEADER) or body.user)
 
 
 def _usage(gen: Generation) -> Usage:

@@ -2,7 +2,13 @@
 
 Options override `SPECLOOP_*` environment variables, which override the defaults in
 `engine/settings.py`. SIGINT/SIGTERM shut down gracefully: uvicorn stops accepting, lets
-in-flight requests finish (up to 30 s), then the engine thread is stopped.
+in-flight requests finish (up to 30 s), then the app's lifespan stops the engine thread, and
+uvicorn re-raises the signal so the exit status says how the process ended.
+
+With `--kafka-bootstrap` (or `SPECLOOP_KAFKA_BOOTSTRAP`) the server captures consented requests as
+traces on that broker and serves the consent admin API under `/admin`; the consent side reads its
+own `SPECLOOP_*` settings (`consent/settings.py`: keys, registry, tenants file). The tenants file
+(`SPECLOOP_TENANTS_FILE`) is honoured with or without capture.
 
 This file only wires parts together; it holds no serving logic.
 """
@@ -18,7 +24,11 @@ from pydantic import ValidationError
 from engine.settings import ServerSettings
 
 if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from consent.settings import ConsentSettings
     from engine.dflash_proposer import DFlashProposer
+    from engine.llm_engine import LLMEngine
     from engine.loading import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -34,7 +44,7 @@ def serve(
     host: Annotated[str | None, typer.Option(help="Interface to bind (default: 127.0.0.1)")] = None,
     port: Annotated[int | None, typer.Option(help="Port (default: 8000)")] = None,
     model: Annotated[str | None, typer.Option(help="HF model directory or .gguf file (default: SmolLM2 GGUF)")] = None,
-    served_model_name: Annotated[str | None, typer.Option(help="Model id clients send (default: the model's name)")] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="Model id for clients (default: its name)")] = None,
     dtype: Annotated[str | None, typer.Option(help="float32 or bfloat16 (default: bfloat16)")] = None,
     device: Annotated[str | None, typer.Option(help="auto, cpu, cuda, cuda:N (default: auto)")] = None,
     num_slots: Annotated[int | None, typer.Option(help="Concurrent sequences (KV-cache slots) (default: 8)")] = None,
@@ -43,15 +53,25 @@ def serve(
     speculate: Annotated[bool | None, typer.Option("--speculate/--no-speculate",
                                                    help="Use the drafter when one is loaded (default: on)")] = None,
     log_level: Annotated[str | None, typer.Option(help="critical, error, warning, info, debug")] = None,
+    kafka_bootstrap: Annotated[str | None, typer.Option(help="Kafka host:port[,...]; capture traces there")] = None,
+    kafka_topic: Annotated[str | None, typer.Option(help="Trace topic (default: traces)")] = None,
+    kafka_config: Annotated[str | None, typer.Option(help='JSON of extra KafkaProducer arguments, e.g. '
+                                                          '{"security_protocol": "SASL_SSL"}')] = None,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API."""
     overrides = {k: v for k, v in locals().items() if v is not None}
-    settings = _settings(overrides)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = load_settings(overrides)
+    configure_logging(settings)
     run_server(settings)
 
 
-def _settings(overrides: dict[str, Any]) -> ServerSettings:
+def configure_logging(settings: ServerSettings) -> None:
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # kafka-python logs every connection at INFO: a dozen lines per producer (re)connect.
+    logging.getLogger("kafka").setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
+def load_settings(overrides: dict[str, Any]) -> ServerSettings:
     try:
         return ServerSettings(**overrides)
     except ValidationError as e:
@@ -60,27 +80,61 @@ def _settings(overrides: dict[str, Any]) -> ServerSettings:
 
 
 def run_server(settings: ServerSettings) -> None:
-    """Load, serve until a signal arrives, then stop the engine."""
+    """Load the model and serve until a signal arrives (the app starts and stops the engine)."""
+    app, loaded = build_server(settings)
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                                           timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S))
+    log.info("serving %s (fingerprint %s) on http://%s:%d", loaded.name, loaded.fingerprint, settings.host,
+             settings.port)
+    server.run()
+
+
+def build_server(settings: ServerSettings) -> tuple["FastAPI", "LoadedModel"]:
+    """The app `specloop serve` runs: model, engine, tenants and, with a broker, trace capture."""
     # Imported here so that `specloop --help` and other packages' commands skip FastAPI and loaders.
-    from engine.api import build_app
     from engine.llm_engine import LLMEngine
     from engine.loading import load_model
 
+    consent = _consent_settings()
     device, dtype = settings.torch_device(), settings.torch_dtype()
     log.info("loading %s as %s on %s", settings.model or "the default SmolLM2 GGUF", settings.dtype, device)
     loaded = load_model(settings.model, dtype, device)
     proposer = _proposer(settings, loaded) if settings.drafter else None
     engine = LLMEngine(loaded.model, settings.engine_config(), loaded.tokenizer.eos_token_ids, proposer)
-    app = build_app(loaded, engine, settings)
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                                           timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S))
-    log.info("serving %s (fingerprint %s) on http://%s:%d", loaded.name, loaded.fingerprint, settings.host,
-             settings.port)
-    engine.start()
+    return serving_app(settings, loaded, engine, consent), loaded
+
+
+def serving_app(settings: ServerSettings, loaded: "LoadedModel", engine: "LLMEngine",
+                consent: "ConsentSettings") -> "FastAPI":
+    """The app over a loaded model and its engine: tenants from `consent`, capture when a broker is set."""
+    from consent.tenants import TenantDirectory
+    from engine.api import build_app
+    from engine.metrics import ServerMetrics
+
     try:
-        server.run()
-    finally:
-        engine.stop()
+        tenants = TenantDirectory.load(consent.tenants_file)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="SPECLOOP_TENANTS_FILE") from e
+    metrics = ServerMetrics(engine.stats)
+    if settings.kafka_bootstrap is None:
+        log.info("trace capture off (no --kafka-bootstrap)")
+        return build_app(loaded, engine, settings, tenants=tenants, metrics=metrics)
+    from engine.trace_capture import open_capture
+
+    capture = open_capture(settings, consent.resolve(), tenants, metrics.registry, loaded.tokenizer.decode)
+    log.info("capturing consented traces to %s topic %s", settings.kafka_bootstrap, settings.kafka_topic)
+    return build_app(loaded, engine, settings, extra_routers=[capture.admin_router], on_finish=capture.hook,
+                     tenants=tenants, metrics=metrics, on_shutdown=[lambda: capture.close(settings.capture_flush_s)])
+
+
+def _consent_settings() -> "ConsentSettings":
+    from consent.settings import ConsentSettings
+
+    try:
+        return ConsentSettings()
+    except ValidationError as e:
+        problems = "; ".join(f"SPECLOOP_{str(err['loc'][0]).upper()}: {err['msg']}" for err in e.errors())
+        raise typer.BadParameter(problems) from e
 
 
 def _proposer(settings: ServerSettings, loaded: "LoadedModel") -> "DFlashProposer":

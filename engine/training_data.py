@@ -86,12 +86,17 @@ def digest(sequences: Sequence[TokenSequence]) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def split_heldout(sequences: Sequence[TokenSequence], fraction: float) -> tuple[list[TokenSequence], list[TokenSequence]]:
-    """(train, held-out) by a hash of each sequence's prompt, so a prompt never lands on both sides."""
+def split_heldout(sequences: Sequence[TokenSequence], fraction: float,
+                  salt: str = "") -> tuple[list[TokenSequence], list[TokenSequence]]:
+    """(train, held-out) by a hash of each sequence's prompt, so a prompt never lands on both sides.
+
+    Splits with different `salt`s are independent: a split of an already-split side is not empty.
+    """
     if not 0 <= fraction < 1:
         raise ValueError(f"held-out fraction must be in [0, 1), got {fraction}")
     train, held = [], []
     for s in sequences:
-        bucket = int.from_bytes(hashlib.sha256(json.dumps(s.prompt).encode()).digest()[:8], "big") / 2**64
+        key = (salt + json.dumps(s.prompt)).encode()
+        bucket = int.from_bytes(hashlib.sha256(key).digest()[:8], "big") / 2**64
         (held if bucket < fraction else train).append(s)
     return train, held

@@ -39,7 +39,9 @@ def sink(
     flush_interval_s: float = 30.0,
     max_trace_bytes: int = 1024 * 1024,
     metrics_port: Annotated[int, typer.Option(help="Serve Prometheus metrics here; 0 = off")] = 0,
-    kafka_config: Annotated[str, typer.Option(help="JSON object of extra kafka-python settings (SASL/TLS)")] = "{}",
+    kafka_config: Annotated[
+        str, typer.Option(help='JSON object of extra librdkafka settings, e.g. {"security.protocol": "SASL_SSL"}')
+    ] = "{}",
 ) -> None:
     """Consume traces from Kafka into hive-partitioned Parquet until SIGTERM or SIGINT."""
     from prometheus_client import start_http_server
@@ -48,21 +50,25 @@ def sink(
     from storage.sink import SinkConfig, TraceSink
 
     _log_to_stderr()
-    config = SinkConfig(
-        bootstrap_servers=bootstrap_servers,
-        root=root,
-        topic=topic,
-        group_id=group_id,
-        dead_letter_topic=dead_letter_topic,
-        flush_records=flush_records,
-        flush_interval_s=flush_interval_s,
-        max_trace_bytes=max_trace_bytes,
-        kafka_config=_json_object(kafka_config, "--kafka-config"),
-    )
+    try:
+        config = SinkConfig(
+            bootstrap_servers=bootstrap_servers,
+            root=root,
+            topic=topic,
+            group_id=group_id,
+            dead_letter_topic=dead_letter_topic,
+            flush_records=flush_records,
+            flush_interval_s=flush_interval_s,
+            max_trace_bytes=max_trace_bytes,
+            kafka_config=_json_object(kafka_config, "--kafka-config"),
+        )
+        sink = TraceSink(config)
+    except ValueError as error:  # pydantic's ValidationError included; each names the field
+        raise typer.BadParameter(str(error)) from None
     if metrics_port:
         start_http_server(metrics_port, addr="127.0.0.1")
     ensure_topics(bootstrap_servers, {dead_letter_topic: 1})
-    TraceSink(config).run(_stop_on_signal())
+    sink.run(_stop_on_signal())
 
 
 def compact(root: Annotated[Path, _ROOT], min_files: int = 2) -> None:

@@ -8,17 +8,27 @@ waits for the dead-letter sends and only then commits `next`. Hence, per partiti
 
 * files cover exactly the committed offsets, plus at most the one batch being flushed;
 * on assignment the sink deletes files of that partition whose `first` is at or after the
-  committed offset (a flush that crashed before its commit) and resumes from the committed
-  offset, so the replay rewrites those rows once, under the same names when the batch boundaries
-  match;
+  committed offset (a flush that crashed before its commit) and starts the partition at the
+  committed offset, so the replay rewrites those rows once, under the same names when the batch
+  boundaries match;
 * if the group has no committed offset (a new group id over an existing store), the files are the
   record: the newest batch of the partition is treated as unfinished and replayed.
 
 A crash at any instruction therefore neither loses nor duplicates a row. A write that would replace
 a file not removed by that reconciliation means offsets went backwards (a broker that lost its
 log); the sink stops rather than overwrite data. Within a batch, copies of a trace_id keep the
-first. Messages that are not valid v1 traces go to the dead-letter topic, with the reason and
-source coordinates in headers, and never stop the sink (delivery there is at least once).
+first. Messages that are not valid v1 traces, and valid ones that Parquet cannot hold (an int past
+int32/int64), go to the dead-letter topic with the reason and source coordinates in headers, and
+never stop the sink (delivery there is at least once).
+
+The client is confluent-kafka (librdkafka): its fetching and decompression run in C threads
+without the GIL. With kafka-python the same loop reached ~3,000 traces/s, its pure-Python record
+unpacking and I/O thread competing with validation for the one interpreter. Validation is one
+`Trace.model_validate_json` per record: bulk `TypeAdapter(list[Trace]).validate_json` measured no
+faster (161 vs 137 us per 256+256-token trace) and a bad record would fail its whole batch; the
+cost is JSON to Python objects (stdlib `json.loads` alone costs as much). Arrow's own JSON reader
+would skip those objects, but on untrusted bytes it is unusable: pyarrow 25 segfaults on a `null`
+line and reads `{..}{..}` on one line as two rows.
 
 This module is not the schema (`storage.schema`) or the layout rules (`storage.layout`); one sink
 process per partition at a time is assumed (the consumer group provides it).
@@ -34,10 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
-from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.consumer.fetcher import ConsumerRecord
-from kafka.errors import CommitFailedError
-from kafka.structs import OffsetAndMetadata
+import pyarrow as pa
+from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -50,31 +58,16 @@ DLQ_REASON = "specloop.dlq.reason"
 DLQ_SOURCE = "specloop.dlq.source"
 DLQ_TRUNCATED = "specloop.dlq.truncated_from"
 _DLQ_MAX_VALUE = 64 * 1024
-# Connection settings (SASL/TLS) that `kafka_config` passes to the dead-letter producer as well.
-_SHARED_CLIENT_SETTINGS = frozenset(
-    {
-        "client_id",
-        "security_protocol",
-        "sasl_mechanism",
-        "sasl_plain_username",
-        "sasl_plain_password",
-        "sasl_kerberos_service_name",
-        "sasl_oauth_token_provider",
-        "ssl_context",
-        "ssl_check_hostname",
-        "ssl_cafile",
-        "ssl_certfile",
-        "ssl_keyfile",
-        "ssl_password",
-        "ssl_crlfile",
-        "request_timeout_ms",
-        "api_version",
-    }
-)
+_DLQ_TIMEOUT_S = 30.0
+_COMMITTED_TIMEOUT_S = 30.0
+# librdkafka settings (by prefix) that `kafka_config` passes to the dead-letter producer as well.
+_SHARED_PREFIXES = ("bootstrap.", "security.", "sasl.", "ssl.", "client.id", "socket.", "broker.", "api.version")
+
+Partition = tuple[str, int]
 
 
 class SinkConfig(BaseModel):
-    """Sink settings, validated once; errors name the field."""
+    """Sink settings, validated once; errors name the field. `kafka_config` takes librdkafka names."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -88,23 +81,49 @@ class SinkConfig(BaseModel):
     flush_interval_s: Annotated[float, Field(gt=0)] = 30.0
     max_trace_bytes: Annotated[int, Field(ge=1)] = 1024 * 1024
     poll_records: Annotated[int, Field(ge=1)] = 5_000
-    kafka_config: dict[str, object] = Field(default_factory=dict)
+    # Traces become Arrow this many at a time while a batch fills, not all at the flush: a whole
+    # batch as Python objects takes ~20 kB per 256+256-token trace (1 GB at 50,000), converted
+    # cache-cold. Per CPU-second, 64+64 tokens: 20-22k traces vs 14-16k; 256+256: 8.5-11.7k vs
+    # 6.7-8.1k (benchmarks/sink_throughput.py, interleaved runs).
+    arrow_chunk_traces: Annotated[int, Field(ge=1)] = 200
+    kafka_config: dict[str, str | int | float | bool] = Field(default_factory=dict)
+
+
+_Hive = tuple[str, str]  # (base_model, day): one hive directory
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A validated trace not yet in Arrow, with what a dead letter of it needs."""
+
+    trace: Trace
+    offset: int
+    key: bytes | None
+    value: bytes
 
 
 @dataclass
 class _Batch:
-    """Consumed, not yet committed records of one partition."""
+    """Consumed, not yet committed records of one partition, per hive directory.
+
+    Traces wait in `pending` until `arrow_chunk_traces` of them share a directory, then become one
+    Arrow table in `tables`; `seen` holds every trace_id of the batch for deduplication.
+    """
 
     first_offset: int
     next_offset: int
-    traces: dict[str, Trace] = field(default_factory=dict)
+    seen: set[str] = field(default_factory=set)
+    pending: dict[_Hive, list[_Pending]] = field(default_factory=lambda: defaultdict(list))
+    tables: dict[_Hive, list[pa.Table]] = field(default_factory=lambda: defaultdict(list))
     nbytes: int = 0
     started: float = field(default_factory=time.monotonic)
 
 
 class _Metrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.written = Counter("specloop_sink_traces_written_total", "Traces made durable in Parquet.", registry=registry)
+        self.written = Counter(
+            "specloop_sink_traces_written_total", "Traces made durable in Parquet.", registry=registry
+        )
         self.duplicates = Counter(
             "specloop_sink_duplicates_total", "Repeated trace_ids dropped within a batch.", registry=registry
         )
@@ -122,30 +141,11 @@ class TraceSink:
     def __init__(self, config: SinkConfig, registry: CollectorRegistry = REGISTRY) -> None:
         self.config = config
         self._metrics = _Metrics(registry)
-        self._batches: dict[TopicPartition, _Batch] = {}
-        self._dead_letters: list = []
-        consumer_config = {
-            # tansu with kafka-python 3.x: the default session timeout makes a join take ~23 s.
-            "session_timeout_ms": 6_000,
-            "heartbeat_interval_ms": 2_000,
-            "max_partition_fetch_bytes": 16 * 1024 * 1024,
-            **config.kafka_config,
-        }
-        self._consumer = KafkaConsumer(
-            bootstrap_servers=config.bootstrap_servers,
-            group_id=config.group_id,
-            enable_auto_commit=False,
-            auto_offset_reset="earliest",
-            **consumer_config,
-        )
-        self._dead_letter = KafkaProducer(
-            bootstrap_servers=config.bootstrap_servers,
-            acks="all",
-            linger_ms=5,
-            **{k: v for k, v in config.kafka_config.items() if k in _SHARED_CLIENT_SETTINGS},
-        )
-        self._rebalance = _Rebalance()
-        self._consumer.subscribe([config.topic], listener=self._rebalance)
+        self._batches: dict[Partition, _Batch] = {}
+        self._dead_letter_errors: list[str] = []
+        self._consumer = _client(Consumer, _consumer_settings(config))
+        self._dead_letter = _client(Producer, _dead_letter_settings(config))
+        self._consumer.subscribe([config.topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
 
     def run(self, stop: threading.Event) -> None:
         """Consume until `stop` is set, then flush what is buffered and close."""
@@ -156,58 +156,90 @@ class TraceSink:
         finally:
             self.close()
 
-    def poll_once(self, timeout_ms: int = 500) -> int:
-        """One poll, then a flush if a size or time limit is reached; returns records consumed."""
+    def poll_once(self, timeout_s: float = 0.5) -> int:
+        """One fetch, then a flush if a size or time limit is reached; returns records consumed."""
         limit = min(self.config.poll_records, self.config.flush_records)
-        polled = self._consumer.poll(timeout_ms=timeout_ms, max_records=limit)
-        for tp in self._rebalance.take_revoked():
-            self._batches.pop(tp, None)
-        sought = {tp for tp in self._rebalance.take_assigned() if self._reconcile(tp)}
+        messages = self._consumer.consume(num_messages=limit, timeout=timeout_s)
         count = 0
-        for tp, records in polled.items():
-            if tp in sought:
-                continue  # fetched before the seek; fetched again from the reconciled offset
-            for record in records:
-                self._accept(tp, record)
-            count += len(records)
+        for message in messages:
+            if message.error() is None:
+                self._accept(message)
+                count += 1
+            else:
+                _log_client_error(message.error())
         if self._should_flush():
             self.flush()
         return count
 
-    def _accept(self, tp: TopicPartition, record: ConsumerRecord) -> None:
-        batch = self._batches.get(tp)
+    def _accept(self, message: Message) -> None:
+        offset = message.offset()
+        source = (message.topic(), message.partition())
+        batch = self._batches.get(source)
         if batch is None:
-            batch = self._batches[tp] = _Batch(record.offset, record.offset + 1)
-        batch.next_offset = record.offset + 1
+            batch = self._batches[source] = _Batch(offset, offset + 1)
+        batch.next_offset = offset + 1
+        value = message.value()
         try:
-            trace = decode_trace(record.value, self.config.max_trace_bytes)
+            trace = decode_trace(value, self.config.max_trace_bytes)
         except TraceRejected as rejected:
-            self._send_dead_letter(record, rejected.reason)
+            self._send_dead_letter(source, offset, message.key(), value, rejected.reason)
             return
-        batch.nbytes += len(record.value)
-        if trace.trace_id in batch.traces:
+        if trace.trace_id in batch.seen:
             self._metrics.duplicates.inc()
-        else:
-            batch.traces[trace.trace_id] = trace
+            return
+        batch.seen.add(trace.trace_id)
+        batch.nbytes += len(value)
+        hive = (trace.base_model, trace_day(trace))
+        pending = batch.pending[hive]
+        pending.append(_Pending(trace, offset, message.key(), value))
+        if len(pending) >= self.config.arrow_chunk_traces:
+            self._to_arrow(source, batch, hive)
 
-    def _send_dead_letter(self, record: ConsumerRecord, reason: str) -> None:
-        value = record.value or b""
-        headers = [
-            (DLQ_REASON, reason.encode()),
-            (DLQ_SOURCE, f"{record.topic}/{record.partition}/{record.offset}".encode()),
-        ]
+    def _to_arrow(self, source: Partition, batch: _Batch, hive: _Hive) -> None:
+        """Move one directory's pending traces into an Arrow table."""
+        entries = batch.pending.pop(hive)
+        try:
+            table = to_arrow([entry.trace for entry in entries])
+        except (pa.ArrowException, OverflowError):
+            table = to_arrow(self._representable(source, entries))
+        if table.num_rows:
+            batch.tables[hive].append(table)
+
+    def _representable(self, source: Partition, entries: list[_Pending]) -> list[Trace]:
+        """The traces Arrow can hold; the others (valid v1, but e.g. a top_k past int32) are dead-lettered."""
+        kept = []
+        for entry in entries:
+            try:
+                to_arrow([entry.trace])
+            except (pa.ArrowException, OverflowError) as error:
+                self._send_dead_letter(source, entry.offset, entry.key, entry.value, f"unrepresentable: {error}")
+            else:
+                kept.append(entry.trace)
+        return kept
+
+    def _send_dead_letter(
+        self, source: Partition, offset: int, key: bytes | None, value: bytes | None, reason: str
+    ) -> None:
+        value = value or b""
+        headers = [(DLQ_REASON, reason.encode()), (DLQ_SOURCE, f"{source[0]}/{source[1]}/{offset}".encode())]
         if len(value) > _DLQ_MAX_VALUE:
             headers.append((DLQ_TRUNCATED, str(len(value)).encode()))
             value = value[:_DLQ_MAX_VALUE]
-        future = self._dead_letter.send(self.config.dead_letter_topic, key=record.key, value=value, headers=headers)
-        self._dead_letters.append(future)
+        self._dead_letter.produce(
+            self.config.dead_letter_topic, key=key, value=value, headers=headers, on_delivery=self._on_dead_letter
+        )
+        self._dead_letter.poll(0)
         self._metrics.dead_lettered.labels(reason.split(":", 1)[0]).inc()
-        log.warning("dead-lettered %s/%d/%d: %s", record.topic, record.partition, record.offset, reason)
+        log.warning("dead-lettered %s/%d/%d: %s", source[0], source[1], offset, reason)
+
+    def _on_dead_letter(self, error: KafkaError | None, _: Message) -> None:
+        if error is not None:
+            self._dead_letter_errors.append(str(error))
 
     def _should_flush(self) -> bool:
         if not self._batches:
             return False
-        records = sum(len(b.traces) for b in self._batches.values())
+        records = sum(len(b.seen) for b in self._batches.values())
         nbytes = sum(b.nbytes for b in self._batches.values())
         oldest = min(b.started for b in self._batches.values())
         return (
@@ -221,89 +253,109 @@ class TraceSink:
         if not self._batches:
             return
         started = time.monotonic()
-        written = sum(self._write(tp, batch) for tp, batch in self._batches.items())
+        written = sum(self._write(source, batch) for source, batch in self._batches.items())
         self._await_dead_letters()
-        offsets = {tp: OffsetAndMetadata(b.next_offset, "", -1) for tp, b in self._batches.items()}
+        offsets = [TopicPartition(topic, partition, b.next_offset) for (topic, partition), b in self._batches.items()]
         self._batches.clear()
         try:
-            self._consumer.commit(offsets)
-        except CommitFailedError as error:
-            # The group rebalanced during the flush: the partitions are reassigned and reconciled
-            # (these files removed, the records replayed), so nothing is lost or doubled.
-            log.warning("commit failed, batch will be replayed: %s", error)
+            self._commit(offsets)
+        except KafkaException as error:
+            # A rebalance during the flush reassigns and reconciles these partitions (files removed,
+            # records replayed); without one, the next commit covers these offsets. Either way
+            # nothing is lost or doubled.
+            log.warning("commit failed, batch will be replayed or covered by the next commit: %s", error)
             return
         self._metrics.written.inc(written)
-        log.info("flushed %d traces in %.2f s, committed %s", written, time.monotonic() - started, offsets)
+        log.info("flushed %d traces in %.2f s, committed %s", written, time.monotonic() - started, _describe(offsets))
 
-    def _write(self, tp: TopicPartition, batch: _Batch) -> int:
-        groups: dict[Path, list[Trace]] = defaultdict(list)
-        for trace in batch.traces.values():
-            groups[hive_dir(self.config.root, trace.base_model, trace_day(trace))].append(trace)
-        name = sink_file_name(tp.topic, tp.partition, batch.first_offset)
-        for directory, traces in groups.items():
-            target = directory / name
+    def _commit(self, offsets: list[TopicPartition]) -> None:
+        self._consumer.commit(offsets=offsets, asynchronous=False)
+
+    def _write(self, source: Partition, batch: _Batch) -> int:
+        for hive in list(batch.pending):
+            self._to_arrow(source, batch, hive)
+        name = sink_file_name(source[0], source[1], batch.first_offset)
+        written = 0
+        for (base_model, day), tables in batch.tables.items():
+            target = hive_dir(self.config.root, base_model, day) / name
             if target.exists():
-                raise RuntimeError(f"{target} exists: offsets of {tp} went backwards; refusing to overwrite")
-            write_parquet_atomic(target, to_arrow(traces))
-        return len(batch.traces)
+                raise RuntimeError(f"{target} exists: offsets of {source} went backwards; refusing to overwrite")
+            table = pa.concat_tables(tables)
+            write_parquet_atomic(target, table)
+            written += table.num_rows
+        return written
 
     def _await_dead_letters(self) -> None:
         """Dead letters must be acknowledged before the offsets that carried them are committed."""
-        if not self._dead_letters:
-            return
-        self._dead_letter.flush()
-        for future in self._dead_letters:
-            future.get(timeout=0)
-        self._dead_letters.clear()
+        remaining = self._dead_letter.flush(_DLQ_TIMEOUT_S)
+        if remaining or self._dead_letter_errors:
+            errors, self._dead_letter_errors = self._dead_letter_errors, []
+            raise RuntimeError(f"dead-letter topic not acknowledged ({remaining} pending, errors {errors[:3]})")
 
-    def _reconcile(self, tp: TopicPartition) -> bool:
-        """Undo an unfinished flush of `tp` and seek to where its durable files end; True if it sought."""
-        self._batches.pop(tp, None)
-        files = sink_files(self.config.root, tp.topic, tp.partition)
-        resume = self._consumer.committed(tp)
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Undo unfinished flushes of the assigned partitions and start each where its files end."""
+        committed = consumer.committed(partitions, timeout=_COMMITTED_TIMEOUT_S)
+        for tp in committed:
+            if tp.error is not None:  # not knowing the committed offset, reconciling could lose rows
+                raise KafkaException(tp.error)
+            self._batches.pop((tp.topic, tp.partition), None)
+            tp.offset = self._reconcile(tp.topic, tp.partition, None if tp.offset == OFFSET_INVALID else tp.offset)
+        consumer.assign(committed)
+
+    def _reconcile(self, topic: str, partition: int, resume: int | None) -> int:
+        files = sink_files(self.config.root, topic, partition)
         if resume is None and files:
             resume = max(f.first_offset for f in files)
         if resume is None:
-            return False
+            return OFFSET_INVALID
         stale = [f.path for f in files if f.first_offset >= resume]
         if stale:
-            log.info("removing %d uncommitted files of %s at or after offset %d", len(stale), tp, resume)
+            log.info("removing %d uncommitted files of %s/%d from offset %d", len(stale), topic, partition, resume)
             remove_durably(stale)
-        self._consumer.seek(tp, resume)
-        return True
+        return resume
+
+    def _on_revoke(self, _: Consumer, partitions: list[TopicPartition]) -> None:
+        """Buffered records of a revoked partition are dropped; its next owner replays them."""
+        for tp in partitions:
+            self._batches.pop((tp.topic, tp.partition), None)
 
     def close(self) -> None:
-        self._consumer.close(autocommit=False)
-        self._dead_letter.close(timeout=10)
+        self._consumer.close()
+        self._dead_letter.flush(_DLQ_TIMEOUT_S)
 
 
-class _Rebalance(ConsumerRebalanceListener):
-    """Records assignment changes for the sink loop.
+def _consumer_settings(config: SinkConfig) -> dict[str, object]:
+    return {
+        "bootstrap.servers": config.bootstrap_servers,
+        "group.id": config.group_id,
+        "enable.auto.commit": False,
+        "auto.offset.reset": "earliest",
+        # tansu: with the default 45 s session timeout a group join after a crash takes as long.
+        "session.timeout.ms": 6_000,
+        "heartbeat.interval.ms": 2_000,
+        "max.partition.fetch.bytes": 16 * 1024 * 1024,
+        **config.kafka_config,
+    }
 
-    kafka-python 3.x calls listeners on its I/O thread, where a blocking call such as
-    `committed()` raises; so the listener only records, and the loop reconciles after `poll`.
-    """
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._revoked: set[TopicPartition] = set()
-        self._assigned: set[TopicPartition] = set()
+def _dead_letter_settings(config: SinkConfig) -> dict[str, object]:
+    shared = {k: v for k, v in config.kafka_config.items() if k.startswith(_SHARED_PREFIXES)}
+    return {"bootstrap.servers": config.bootstrap_servers, "acks": "all", "linger.ms": 5, **shared}
 
-    def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
-        with self._lock:
-            self._revoked |= set(revoked)
-            self._assigned -= set(revoked)
 
-    def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
-        with self._lock:
-            self._assigned |= set(assigned)
+def _client(kind: type[Consumer] | type[Producer], settings: dict[str, object]) -> Consumer | Producer:
+    try:
+        return kind(settings)
+    except KafkaException as error:
+        raise ValueError(f"kafka_config: {error.args[0].str()}") from None
 
-    def take_revoked(self) -> set[TopicPartition]:
-        with self._lock:
-            taken, self._revoked = self._revoked, set()
-        return taken
 
-    def take_assigned(self) -> set[TopicPartition]:
-        with self._lock:
-            taken, self._assigned = self._assigned, set()
-        return taken
+def _log_client_error(error: KafkaError) -> None:
+    """Errors delivered as messages are informational (librdkafka retries); fatal ones stop the sink."""
+    if error.fatal():
+        raise KafkaException(error)
+    log.warning("kafka: %s", error)
+
+
+def _describe(offsets: list[TopicPartition]) -> str:
+    return ", ".join(f"{tp.topic}/{tp.partition}@{tp.offset}" for tp in offsets)

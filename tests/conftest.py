@@ -1,5 +1,9 @@
 """Root fixtures shared by every test package: the embedded Kafka-compatible broker.
 
+Tests run torch on one thread: with two OpenMP threads a tiny model's matmuls slowed 16x (62 s vs
+3.8 s for the same test) whenever another process loaded the 2 cores, because the threads spin at
+every barrier. Benchmarks, not tests, measure multi-threaded speed.
+
 `broker` is one tansu process with memory storage for the whole session (fast; a restart would
 lose everything, so tests that restart use `durable_broker`). `durable_broker` is a fresh tansu on
 S3 storage against a moto server on loopback, per test, which keeps topics, records and committed
@@ -10,8 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from storage.broker import EmbeddedBroker, LocalS3
+
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

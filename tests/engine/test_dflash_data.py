@@ -41,6 +41,7 @@ def test_heldout_split_keeps_a_prompt_on_one_side() -> None:
     assert 20 < len(held) < 60 and len(train) + len(held) == len(seqs)
     sides = {s.response for s in (train if TokenSequence((7,), (1, 2)) in train else held) if s.prompt == (7,)}
     assert sides == {(1, 2), (9, 9)}
+    assert split_heldout(held, 0.5, salt="again")[1]  # a salted split of a held-out side is not empty
 
 
 def test_humaneval_prompts_come_from_the_wheel() -> None:

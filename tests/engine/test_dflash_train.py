@@ -85,3 +85,14 @@ def test_early_stop_when_heldout_stops_improving(tmp_path: Path) -> None:
     cfg = config(tmp_path, max_steps=200, lr=1e-9, warmup_ratio=0.0, eval_every=2, patience=2)
     result = Trainer(cfg, tiny_target(), "fp", cycling(20)).run()
     assert result.stop_reason == "early_stop" and result.steps < 200
+
+
+def test_feature_cache_gives_the_same_training(tmp_path: Path) -> None:
+    seqs, target = cycling(8), tiny_target()
+    cached = Trainer(config(tmp_path / "c", max_steps=4, heldout_fraction=0.0), target, "fp", seqs)
+    fresh = Trainer(config(tmp_path / "f", max_steps=4, heldout_fraction=0.0, feature_cache_gb=0.0), target, "fp", seqs)
+    cached.advance(4)
+    fresh.advance(4)
+    assert len(cached.features) == 8 and not fresh.features
+    for (name, a), b in zip(cached.drafter.state_dict().items(), fresh.drafter.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)

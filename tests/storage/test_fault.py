@@ -37,7 +37,7 @@ class _Supervisor:
             sys.executable, "-m", "storage.cli", "sink",
             "--bootstrap-servers", broker.bootstrap_servers, "--root", str(root), "--topic", TOPIC,
             "--dead-letter-topic", f"{TOPIC}.dlq", "--flush-records", "150", "--flush-interval-s", "0.2",
-            "--kafka-config", '{"session_timeout_ms": 3000, "heartbeat_interval_ms": 1000}',
+            "--kafka-config", '{"session.timeout.ms": 3000, "heartbeat.interval.ms": 1000}',
         ]  # fmt: skip
         self._log_path = log
         self._log = open(log, "ab")

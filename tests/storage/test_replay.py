@@ -47,11 +47,11 @@ def test_uncommitted_files_are_replaced_by_the_replay(sink_config: SinkConfig) -
     producer.close()
 
     first = TraceSink(sink_config, registry=CollectorRegistry())
-    first._consumer.commit = _crash_on_commit
+    first._commit = _crash_on_commit
     with pytest.raises(_Crash):
         while True:
             first.poll_once()
-    first._consumer.close(autocommit=False)
+    first.close()
     assert _largest_file(sink_config.root) > 7 and len(_rows(sink_config.root)) == len(traces)
 
     second_config = sink_config.model_copy(update={"flush_records": 7})

@@ -1,7 +1,8 @@
 """The sink against the real tansu broker: traces become Parquet rows, bad messages dead letters.
 
-Producers here are the project's `TraceProducer` and, for interoperability, confluent-kafka
-(librdkafka), which shares no code with kafka-python.
+The sink consumes with confluent-kafka (librdkafka); producers here are the project's
+`TraceProducer` (kafka-python, as in the engine) and confluent-kafka, so records written by both
+clients are ingested.
 """
 
 import json
@@ -18,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from storage.broker import EmbeddedBroker
 from storage.layout import live_files
 from storage.producer import TraceProducer
-from storage.sink import DLQ_REASON, DLQ_SOURCE, SinkConfig
+from storage.sink import DLQ_REASON, DLQ_SOURCE, SinkConfig, TraceSink
 from tests.storage.traces import T0, make_trace
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
@@ -90,6 +91,9 @@ def test_bad_messages_go_to_the_dead_letter_topic_and_the_sink_keeps_going(
         json.dumps({**valid, "schema_version": 9}).encode(): "unknown_version",
         json.dumps({**valid, "response_token_ids": "1 2 3"}).encode(): "invalid: response_token_ids",
         json.dumps({**valid, "pad": "x" * sink_config.max_trace_bytes}).encode(): "oversized",
+        json.dumps({**valid, "trace_id": "t-huge", "sampling": {**valid["sampling"], "top_k": 2**40}}).encode(): (
+            "unrepresentable"
+        ),
     }
     producer = Producer({"bootstrap.servers": broker.bootstrap_servers, "message.max.bytes": 4_000_000})
     for value in bad:
@@ -131,3 +135,9 @@ def test_a_trace_sent_twice_in_one_batch_is_written_once(
     time.sleep(0.2)
     rows = _wait_for_rows(sink_config.root, 2)
     assert sorted(r[0] for r in rows) == ["t-marker", "t-twice"]
+
+
+def test_an_unknown_client_setting_is_a_value_error_naming_kafka_config(tmp_path: Path) -> None:
+    config = SinkConfig(bootstrap_servers="127.0.0.1:9", root=tmp_path, kafka_config={"no.such.setting": 1})
+    with pytest.raises(ValueError, match="kafka_config.*no.such.setting"):
+        TraceSink(config, registry=CollectorRegistry())

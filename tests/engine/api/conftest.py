@@ -69,16 +69,12 @@ class RunningServer:
 
 @contextmanager
 def serving(loaded: LoadedModel, proposer: Proposer | None) -> Iterator[RunningServer]:
-    """A started engine behind a real uvicorn for `loaded`; both stopped on exit."""
+    """An engine behind a real uvicorn for `loaded` (the app's lifespan starts and stops the engine)."""
     settings = ServerSettings(max_len=MAX_LEN, num_slots=NUM_SLOTS, dtype="float32", device="cpu")
     engine = LLMEngine(loaded.model, settings.engine_config(), loaded.tokenizer.eos_token_ids, proposer)
     hook = FinishHookSpy()
-    engine.start()
-    try:
-        with serve_in_thread(build_app(loaded, engine, settings, on_finish=hook)) as url:
-            yield RunningServer(url, engine, loaded, hook)
-    finally:
-        engine.stop()
+    with serve_in_thread(build_app(loaded, engine, settings, on_finish=hook)) as url:
+        yield RunningServer(url, engine, loaded, hook)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,125 @@
+"""`specloop up`: the whole single-machine stack in one command, what `make run` starts.
+
+It starts the embedded tansu broker (memory storage; `--durable` puts it on S3 storage against a
+local moto server, so a broker restart keeps topics and offsets, though moto itself keeps them in
+memory only), creates the trace topics, starts the sink (`python -m storage.cli sink`, its own
+process) writing Parquet under the consent settings' traces root (`data/traces`), then serves the
+model with trace capture pointed at the broker. SIGINT or SIGTERM stops it in dependency order:
+the server drains requests and flushes capture, then the sink writes and commits what it holds,
+then the broker and moto stop. The sink runs in its own session so that Ctrl-C in a terminal
+reaches it only through this ordered stop, after the last traces are on the broker.
+
+This file only starts and stops processes; serving, capture and the sink live in their packages.
+Beyond one machine, run `specloop serve --kafka-bootstrap ...` and `specloop sink` against a real
+Kafka cluster instead.
+"""
+
+import logging
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+from types import FrameType
+from typing import IO, Annotated
+
+import typer
+
+from consent.settings import SECRETS_FILE
+
+log = logging.getLogger(__name__)
+
+TRACE_PARTITIONS = 3  # tansu cannot add partitions later; 3 lets up to 3 sinks share the topic
+DEAD_LETTER_TOPIC = "traces.dlq"
+_SINK_FLUSH_S = 10  # a developer sees a request's trace in Parquet within seconds, not the default 30
+_SINK_STOP_S = 60
+
+
+class _Stopped(Exception):
+    """A stop signal arrived; unwinds the main thread through the ordered shutdown."""
+
+
+def register(app: typer.Typer) -> None:
+    app.command("up")(up)
+
+
+def up(
+    model: Annotated[str | None, typer.Option(help="HF model directory or .gguf file (default: SmolLM2 GGUF)")] = None,
+    host: Annotated[str | None, typer.Option(help="Interface to bind (default: 127.0.0.1)")] = None,
+    port: Annotated[int | None, typer.Option(help="HTTP port (default: 8000)")] = None,
+    durable: Annotated[bool, typer.Option(help="Broker on S3 storage (local moto) instead of memory")] = False,
+    broker_port: Annotated[int, typer.Option(help="Broker port; 0 picks a free one")] = 0,
+) -> None:
+    """Run broker, sink and server with trace capture on this machine until SIGINT/SIGTERM."""
+    from consent.settings import ConsentSettings
+    from engine.cli import configure_logging, load_settings, run_server
+    from storage.broker import free_port
+
+    broker_port = broker_port or free_port()
+    options = {k: v for k, v in {"model": model, "host": host, "port": port}.items() if v is not None}
+    settings = load_settings({**options, "kafka_bootstrap": f"127.0.0.1:{broker_port}"})
+    configure_logging(settings)
+    consent = ConsentSettings().resolve()
+    logs = consent.traces_root.parent / "logs"
+    _handle_stop_signals(_raise_stopped)
+    with ExitStack() as stack:
+        try:
+            _start_broker(stack, durable, broker_port, settings.kafka_topic, logs)
+            _start_sink(stack, settings.kafka_bootstrap, settings.kafka_topic, consent.traces_root)
+            log.info("consent admin API under /admin; its token is in %s (or SPECLOOP_ADMIN_TOKEN)",
+                     consent.traces_root.parent / SECRETS_FILE)
+            run_server(settings)
+        except _Stopped as stopped:
+            log.info("%s: stopping server, sink and broker in order", stopped)
+        finally:
+            _handle_stop_signals(_already_stopping)
+
+
+def _handle_stop_signals(handler: Callable[[int, FrameType | None], None]) -> None:
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, handler)
+
+
+def _raise_stopped(number: int, _: FrameType | None) -> None:
+    raise _Stopped(signal.Signals(number).name)
+
+
+def _already_stopping(number: int, _: FrameType | None) -> None:
+    log.warning("%s ignored: already stopping (the sink may take up to %d s to flush)",
+                signal.Signals(number).name, _SINK_STOP_S)
+
+
+def _start_broker(stack: ExitStack, durable: bool, port: int, topic: str, logs: Path) -> None:
+    from storage.broker import EmbeddedBroker, LocalS3, ensure_topics
+
+    logs.mkdir(parents=True, exist_ok=True)
+    s3 = stack.enter_context(LocalS3(log=_log_file(stack, logs / "moto.log"))) if durable else None
+    broker = stack.enter_context(EmbeddedBroker(s3=s3, port=port, log=_log_file(stack, logs / "tansu.log")))
+    ensure_topics(broker.bootstrap_servers, {topic: TRACE_PARTITIONS, DEAD_LETTER_TOPIC: 1})
+    log.info("tansu (%s storage) on %s, logs in %s", broker.storage, broker.bootstrap_servers, logs)
+
+
+def _log_file(stack: ExitStack, path: Path) -> IO[bytes]:
+    return stack.enter_context(open(path, "ab"))
+
+
+def _start_sink(stack: ExitStack, bootstrap: str, topic: str, root: Path) -> None:
+    command = [sys.executable, "-m", "storage.cli", "sink", "--bootstrap-servers", bootstrap, "--root", str(root),
+               "--topic", topic, "--dead-letter-topic", DEAD_LETTER_TOPIC, "--flush-interval-s", str(_SINK_FLUSH_S)]
+    sink = subprocess.Popen(command, start_new_session=True)
+    stack.callback(_stop_sink, sink)
+    log.info("sink (pid %d) writing Parquet under %s", sink.pid, root)
+
+
+def _stop_sink(sink: subprocess.Popen) -> None:
+    """SIGTERM makes the sink flush and commit; it is killed only if that hangs."""
+    sink.terminate()
+    try:
+        code = sink.wait(_SINK_STOP_S)
+    except subprocess.TimeoutExpired:
+        log.error("sink did not stop within %d s; killing it (uncommitted traces are re-read next time)",
+                  _SINK_STOP_S)
+        sink.kill()
+        code = sink.wait()
+    log.info("sink exited with status %d", code)
