@@ -42,6 +42,7 @@ import torch
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.api import build_app
 from engine.fingerprint import base_model_fingerprint
+from engine.cpu_linear import optimize_for_cpu_inference
 from engine.loading import LoadedModel, build_model, default_model_path, read_checkpoint
 from engine.model import Transformer
 from engine.sequence import SamplingParams
@@ -193,7 +194,7 @@ def main() -> None:
     batch1_only = set()
     with ExitStack() as stack:
         for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-            ours = build_model(ckpt, dtype, device)
+            ours = optimize_for_cpu_inference(build_model(ckpt, dtype, device))
             runners[("specloop", name)] = engine_runner(ours, ckpt.tokenizer.eos_token_ids)
             if args.http:
                 loaded = LoadedModel(ours, ckpt.tokenizer, fingerprint, ckpt.name, gguf)

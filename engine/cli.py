@@ -99,6 +99,7 @@ def build_server(settings: ServerSettings) -> tuple["FastAPI", "LoadedModel"]:
     device, dtype = settings.torch_device(), settings.torch_dtype()
     log.info("loading %s as %s on %s", settings.model or "the default SmolLM2 GGUF", settings.dtype, device)
     loaded = load_model(settings.model, dtype, device)
+    optimize_for_cpu_inference(loaded.model)
     proposer = _proposer(settings, loaded) if settings.drafter else None
     engine = LLMEngine(loaded.model, settings.engine_config(), loaded.tokenizer.eos_token_ids, proposer)
     return serving_app(settings, loaded, engine, consent), loaded
@@ -109,6 +110,7 @@ def serving_app(settings: ServerSettings, loaded: "LoadedModel", engine: "LLMEng
     """The app over a loaded model and its engine: tenants from `consent`, capture when a broker is set."""
     from consent.tenants import TenantDirectory
     from engine.api import build_app
+    from engine.cpu_linear import optimize_for_cpu_inference
     from engine.metrics import ServerMetrics
 
     try:

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.cpu_linear import optimize_for_cpu_inference
 from engine.model import Transformer
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
@@ -45,7 +44,6 @@ class EngineConfig:
     max_len: int = 2048  # context length: prompt + completion tokens per sequence
     max_prefill_tokens: int = 2048
     speculate: bool = True  # server-wide switch; only matters when a proposer is loaded
-    cpu_kernels: bool = True  # swap the model's linears for `CpuLinear` (in place) when it is on the CPU
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
@@ -74,7 +72,7 @@ class LLMEngine:
                  proposer: Proposer | None = None) -> None:
         if config.max_len > model.rope_cos.shape[0]:
             raise ValueError(f"max_len {config.max_len} exceeds the model's {model.rope_cos.shape[0]} positions")
-        self.model = optimize_for_cpu_inference(model) if config.cpu_kernels else model
+        self.model = model
         self.config = config
         self.eos = frozenset(eos_token_ids)
         self.proposer = proposer

@@ -119,3 +119,18 @@ def sample_evals_prompts(data: Path, per_task: int, seed: int = 0, tasks: list[s
                     picked[j] = msgs
         out.extend(Prompt("evals", task, m) for m in picked)
     return out
+
+
+def read_prompts(path: Path) -> list[Prompt]:
+    """Chat prompts from a JSONL file of `{"messages": [{"role", "content"}, ...]}` records."""
+    out = []
+    with Path(path).open() as f:
+        for i, line in enumerate(f, 1):
+            try:
+                msgs = _messages({"input": json.loads(line).get("messages")})
+            except (json.JSONDecodeError, AttributeError) as e:
+                raise ValueError(f"{path}:{i}: not a JSON object with 'messages': {e}") from e
+            if msgs is None:
+                raise ValueError(f"{path}:{i}: 'messages' must be a list of {{role, content}} ending in a user turn")
+            out.append(Prompt("file", f"{path.name}:{i}", msgs))
+    return out

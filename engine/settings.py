@@ -43,6 +43,10 @@ class ServerSettings(BaseSettings):
     kafka_config: dict[str, str | int | float | bool] = Field(default_factory=dict)
     capture_queue_size: int = Field(10_000, ge=1)  # traces held while Kafka is slow or down
     capture_flush_s: float = Field(10.0, gt=0)  # at shutdown, how long queued traces may take to reach Kafka
+    # Traces wait this long to share a Kafka batch. kafka-python spends its CPU, in this process and
+    # under the GIL, per batch more than per record: 1.47 ms per trace at 5 ms (each trace its own
+    # batch at 50 requests/s), 0.47 ms at 250 ms, 0.36 ms at 1 s. Traces are not urgent.
+    capture_linger_ms: int = Field(250, ge=0)
 
     @field_validator("kafka_bootstrap")
     @classmethod

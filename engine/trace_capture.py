@@ -148,7 +148,8 @@ def open_capture(settings: ServerSettings, consent: ConsentConfig, tenants: Tena
     registry = ConsentRegistry(consent.registry_path)
     policy = CapturePolicy(registry, tenants, Pseudonymizer(consent.hmac_key), consent.pii_mode, metrics)
     producer = TraceProducer(settings.kafka_bootstrap, settings.kafka_topic, queue_size=settings.capture_queue_size,
-                             registry=metrics, kafka_config=settings.kafka_config)
+                             registry=metrics, kafka_config={"linger_ms": settings.capture_linger_ms,
+                                                             **settings.kafka_config})
     drafter_version = settings.drafter.name if settings.drafter else None
     hook = TraceCapture(policy, producer, metrics, drafter_version, settings.capture_queue_size, detokenize)
     admin = APIRouter(prefix="/admin")

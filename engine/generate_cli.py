@@ -1,0 +1,87 @@
+"""`specloop generate`: bootstrap drafter training data by letting the target answer a prompt set.
+
+A drafter must predict the target's own outputs, so the target answers every prompt (greedy, with
+its chat template) and each (prompt ids, response ids) pair is written as a training sequence.
+Generation runs on our engine with continuous batching at high concurrency, which is where the
+throughput comes from (transformers' batched `generate` made about 57 tokens/s here).
+
+A deterministic held-out split by prompt hash is written beside the training file, so held-out
+prompts never appear in training data. This file holds only the command and its wiring.
+"""
+
+import logging
+import time
+from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+
+log = logging.getLogger(__name__)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("generate")(generate)
+
+
+def generate(
+    out: Annotated[Path, typer.Option(help="Directory for train.jsonl, heldout.jsonl and stats.json")],
+    source: Annotated[Literal["humaneval", "evals", "file"], typer.Option(help="Prompt set")] = "humaneval",
+    prompts_file: Annotated[Path | None, typer.Option(help='source=file: JSONL of {"messages": [...]}')] = None,
+    per_task: Annotated[int, typer.Option(help="evals only: prompts sampled from each of its 660 tasks")] = 20,
+    limit: Annotated[int | None, typer.Option(help="Use at most this many prompts")] = None,
+    heldout_fraction: Annotated[float, typer.Option(help="Share of prompts kept out of training")] = 0.25,
+    max_tokens: Annotated[int, typer.Option(help="Completion tokens per prompt")] = 256,
+    concurrency: Annotated[int, typer.Option(help="Sequences decoded together (KV-cache slots)")] = 32,
+    max_len: Annotated[int, typer.Option(help="Context length; longer prompts are skipped")] = 1536,
+    model: Annotated[str | None, typer.Option(help="HF directory or .gguf (default: SmolLM2 GGUF)")] = None,
+    dtype: Annotated[str, typer.Option(help="float32 or bfloat16")] = "bfloat16",
+    seed: Annotated[int, typer.Option(help="Prompt sampling seed")] = 0,
+) -> None:
+    """Answer a prompt set with the target and store the answers as drafter training data."""
+    import json
+
+    import torch
+
+    from engine.cpu_linear import optimize_for_cpu_inference
+    from engine.llm_engine import EngineConfig, LLMEngine
+    from engine.loading import load_model
+    from engine.prompt_sources import ensure_evals, humaneval_prompts, read_prompts, sample_evals_prompts
+    from engine.sequence import SamplingParams
+    from engine.training_data import TokenSequence, digest, split_heldout, write_jsonl
+
+    if dtype not in ("float32", "bfloat16"):
+        raise typer.BadParameter(f"--dtype must be float32 or bfloat16, got {dtype!r}")
+    if concurrency < 1 or max_tokens < 1:
+        raise typer.BadParameter("--concurrency and --max-tokens must be >= 1")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    loaded = load_model(model, getattr(torch, dtype), device)
+    max_len = min(max_len, loaded.model.config.max_position)
+    optimize_for_cpu_inference(loaded.model)
+    if source == "file" and prompts_file is None:
+        raise typer.BadParameter("--source file needs --prompts-file")
+    if source == "humaneval":
+        prompts = humaneval_prompts()
+    elif source == "evals":
+        prompts = sample_evals_prompts(ensure_evals(), per_task, seed)
+    else:
+        prompts = read_prompts(prompts_file)
+    ids = [loaded.tokenizer.encode(loaded.tokenizer.apply_chat_template(list(p.messages))) for p in prompts]
+    ids = [p for p in ids if len(p) + max_tokens <= max_len][:limit]
+    if not ids:
+        raise typer.BadParameter("no prompt fits --max-len with --max-tokens")
+    engine = LLMEngine(loaded.model, EngineConfig(num_slots=concurrency, max_len=max_len),
+                       loaded.tokenizer.eos_token_ids)
+    started = time.perf_counter()
+    seqs = engine.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    seconds = time.perf_counter() - started
+    data = [TokenSequence(tuple(s.prompt_ids), tuple(s.output_ids)) for s in seqs]
+    train, held = split_heldout(data, heldout_fraction)
+    out.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out / "train.jsonl", train)
+    write_jsonl(out / "heldout.jsonl", held)
+    tokens = sum(len(s.output_ids) for s in seqs)
+    stats = {"source": source, "prompts": len(data), "train": len(train), "heldout": len(held),
+             "response_tokens": tokens, "seconds": round(seconds, 1), "tokens_per_second": round(tokens / seconds, 1),
+             "concurrency": concurrency, "dtype": dtype, "base_model": loaded.fingerprint, "digest": digest(data)}
+    (out / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+    typer.echo(json.dumps(stats))
