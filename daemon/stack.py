@@ -63,15 +63,15 @@ def up(
     options = {k: v for k, v in {"model": model, "host": host, "port": port}.items() if v is not None}
     settings = load_settings({**options, "kafka_bootstrap": f"127.0.0.1:{broker_port}"})
     configure_logging(settings)
-    consent = ConsentSettings().resolve()
-    logs = consent.traces_root.parent / "logs"
+    consent_settings = ConsentSettings()
+    consent = consent_settings.resolve()
     _handle_stop_signals(_raise_stopped)
     with ExitStack() as stack:
         try:
-            _start_broker(stack, durable, broker_port, settings.kafka_topic, logs)
+            _start_broker(stack, durable, broker_port, settings.kafka_topic, consent_settings.data_dir / "logs")
             _start_sink(stack, settings.kafka_bootstrap, settings.kafka_topic, consent.traces_root)
             log.info("consent admin API under /admin; its token is in %s (or SPECLOOP_ADMIN_TOKEN)",
-                     consent.traces_root.parent / SECRETS_FILE)
+                     consent_settings.data_dir / SECRETS_FILE)
             run_server(settings)
         except _Stopped as stopped:
             log.info("%s: stopping server, sink and broker in order", stopped)

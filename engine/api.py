@@ -77,8 +77,8 @@ def build_app(loaded: LoadedModel, engine: LLMEngine, settings: ServerSettings,
     (None: everyone is `anonymous`). Pass `metrics` when other parts (capture) count on its
     registry; `on_shutdown` runs after the engine has stopped.
     """
-    metrics = metrics or ServerMetrics(engine.stats)
-    tenants = tenants or TenantDirectory.load(None)
+    metrics = ServerMetrics(engine.stats) if metrics is None else metrics
+    tenants = TenantDirectory.load(None) if tenants is None else tenants
     closers = tuple(on_shutdown)
     ctx = ServingContext(engine=engine, tokenizer=loaded.tokenizer, metrics=metrics,
                          model=settings.served_model_name or loaded.name, fingerprint=loaded.fingerprint,

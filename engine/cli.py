@@ -92,6 +92,7 @@ def run_server(settings: ServerSettings) -> None:
 def build_server(settings: ServerSettings) -> tuple["FastAPI", "LoadedModel"]:
     """The app `specloop serve` runs: model, engine, tenants and, with a broker, trace capture."""
     # Imported here so that `specloop --help` and other packages' commands skip FastAPI and loaders.
+    from engine.cpu_linear import optimize_for_cpu_inference
     from engine.llm_engine import LLMEngine
     from engine.loading import load_model
 
@@ -110,7 +111,6 @@ def serving_app(settings: ServerSettings, loaded: "LoadedModel", engine: "LLMEng
     """The app over a loaded model and its engine: tenants from `consent`, capture when a broker is set."""
     from consent.tenants import TenantDirectory
     from engine.api import build_app
-    from engine.cpu_linear import optimize_for_cpu_inference
     from engine.metrics import ServerMetrics
 
     try:
