@@ -99,7 +99,7 @@ def eval_drafter(
     ngram: Annotated[bool, typer.Option(help="Include the n-gram lookup baseline")] = True,
     ngram_block_size: Annotated[int | None, typer.Option(help="Default: the first drafter's block size, else 8")] = None,
     combined: Annotated[bool, typer.Option(help="Also replay each drafter combined with n-gram lookup")] = True,
-    min_match: Annotated[int, typer.Option(help="Combined: n-gram match length that overrides the drafter")] = 3,
+    min_match: Annotated[int, typer.Option(help="Combined: n-gram match length that overrides the drafter")] = 1,
     block_size: Annotated[int | None, typer.Option(help="Serve drafters at this (lower) block size")] = None,
     model: Annotated[str | None, _MODEL] = None,
     dtype: str = "float32",

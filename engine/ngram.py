@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from engine.proposer import Proposer
+from engine.proposer import StatelessProposer
 
 
 def lookup(history: list[int], k: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int]:
@@ -32,25 +32,15 @@ def lookup(history: list[int], k: int, max_ngram: int, min_ngram: int) -> tuple[
     return [], 0
 
 
-class NgramProposer(Proposer):
+class NgramProposer(StatelessProposer):
     def __init__(self, block_size: int = 8, max_ngram: int = 4, min_ngram: int = 1) -> None:
         if block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {block_size}")
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.block_size = block_size
-        self.tap_layers = ()
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.last_match_lengths: list[int] = []
-
-    def allocate(self, num_slots: int, max_len: int) -> None:
-        pass
-
-    def release(self, slot: int) -> None:
-        pass
-
-    def observe(self, slots: list[int], starts: list[int], taps: list[torch.Tensor], token_ids: torch.Tensor) -> None:
-        pass
 
     def propose(self, slots: list[int], ctx_lens: list[int], last_tokens: torch.Tensor,
                 histories: list[list[int]]) -> torch.Tensor:

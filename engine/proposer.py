@@ -56,15 +56,32 @@ class Proposer(abc.ABC):
         """
 
 
+class StatelessProposer(Proposer):
+    """A proposer that keeps no per-slot state and needs no hidden states (n-gram lookup, test doubles)."""
+
+    tap_layers: tuple[int, ...] = ()
+
+    def allocate(self, num_slots: int, max_len: int) -> None:
+        pass
+
+    def release(self, slot: int) -> None:
+        pass
+
+    def observe(self, slots: list[int], starts: list[int], taps: list[torch.Tensor], token_ids: torch.Tensor) -> None:
+        pass
+
+
 class CombinedProposer(Proposer):
     """N-gram lookup when it found a match of at least `min_match` tokens, DFlash otherwise.
 
-    Why this rule: a long match in the prompt or output (code repeating a name, a quoted passage)
-    is right for many tokens in a row, which a small drafter trained on little data rarely is; on
-    text with no long match the drafter is the better guess. DFlash runs only on rows that need it.
+    Why this rule: a match in the prompt or output (code repeating a name, a quoted passage) is
+    often right for many tokens in a row, while without one n-gram lookup has nothing to offer.
+    Measured on 40 held-out HumanEval answers of SmolLM2 (B = 16, a drafter trained 9 minutes on
+    124 answers): n-gram τ 2.34, DFlash 1.17, combined 2.49 with min_match 1, 2.37 with 2, 2.25
+    with 3. DFlash runs only on the rows that need it.
     """
 
-    def __init__(self, dflash: "DFlashProposer", ngram: "NgramProposer", min_match: int = 3) -> None:
+    def __init__(self, dflash: "DFlashProposer", ngram: "NgramProposer", min_match: int = 1) -> None:
         if dflash.block_size != ngram.block_size:
             raise ValueError(f"block sizes differ: dflash {dflash.block_size}, ngram {ngram.block_size}")
         if min_match < 1:

@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.llm_engine import EngineConfig
 
+KafkaConfig = dict[str, str | int | float | bool]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -40,7 +41,7 @@ class ServerSettings(BaseSettings):
     # keyword arguments (kafka-python names: security_protocol, sasl_mechanism, ssl_cafile, ...).
     kafka_bootstrap: str | None = None
     kafka_topic: str = Field("traces", pattern=r"^[A-Za-z0-9._-]{1,249}$")
-    kafka_config: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    kafka_config: KafkaConfig = Field(default_factory=dict)
     capture_queue_size: int = Field(10_000, ge=1)  # traces held while Kafka is slow or down
     capture_flush_s: float = Field(10.0, gt=0)  # at shutdown, how long queued traces may take to reach Kafka
     # Traces wait this long to share a Kafka batch. kafka-python spends its CPU, in this process and
@@ -64,6 +65,16 @@ class ServerSettings(BaseSettings):
             return json.loads(config)
         except json.JSONDecodeError as e:
             raise ValueError(f"must be a JSON object of KafkaProducer arguments: {e}") from e
+
+    @field_validator("kafka_config")
+    @classmethod
+    def _known_producer_arguments(cls, config: KafkaConfig) -> KafkaConfig:
+        from kafka import KafkaProducer
+
+        unknown = sorted(set(config) - set(KafkaProducer.DEFAULT_CONFIG))
+        if unknown:
+            raise ValueError(f"unknown KafkaProducer arguments {unknown} (kafka-python names, e.g. security_protocol)")
+        return config
 
     @field_validator("device")
     @classmethod

@@ -6,27 +6,18 @@ import torch
 from engine.acceptance import replay
 from engine.dflash_proposer import DFlashProposer
 from engine.ngram import NgramProposer
-from engine.proposer import CombinedProposer, Proposer
+from engine.proposer import CombinedProposer, StatelessProposer
 from engine.training_data import TokenSequence
 from tests.engine.dflash_helpers import tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.timeout(60)
 
 
-class Scripted(Proposer):
+class Scripted(StatelessProposer):
     """Drafts the true continuation for the first `right` positions and a wrong token after them."""
 
     def __init__(self, truth: list[list[int]], block_size: int, right: int) -> None:
-        self.truth, self.block_size, self.right, self.tap_layers = truth, block_size, right, ()
-
-    def allocate(self, num_slots: int, max_len: int) -> None:
-        pass
-
-    def release(self, slot: int) -> None:
-        pass
-
-    def observe(self, slots: list[int], starts: list[int], taps: list[torch.Tensor], token_ids: torch.Tensor) -> None:
-        pass
+        self.truth, self.block_size, self.right = truth, block_size, right
 
     def propose(self, slots: list[int], ctx_lens: list[int], last_tokens: torch.Tensor,
                 histories: list[list[int]]) -> torch.Tensor:

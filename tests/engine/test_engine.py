@@ -13,7 +13,7 @@ from engine.cpu_linear import optimize_for_cpu_inference
 from engine.llm_engine import EngineConfig, LLMEngine, PromptTooLong
 from engine.model import Transformer
 from engine.ngram import NgramProposer
-from engine.proposer import Proposer
+from engine.proposer import StatelessProposer
 from engine.sampler import filtered_probs
 from engine.sequence import SamplingParams
 
@@ -47,18 +47,12 @@ def prompts(count: int, vocab: int = 300, seed: int = 1) -> list[list[int]]:
             for n in torch.randint(2, 40, (count,), generator=g)]
 
 
-class RandomProposer(Proposer):
+class RandomProposer(StatelessProposer):
     """Drafts uniformly random tokens: nearly everything is rejected, which exercises rollback."""
 
     def __init__(self, block_size: int, vocab: int) -> None:
         self.block_size, self.vocab, self.tap_layers = block_size, vocab, (0, 1)
         self.gen = torch.Generator().manual_seed(7)
-
-    def allocate(self, num_slots: int, max_len: int) -> None:
-        pass
-
-    def release(self, slot: int) -> None:
-        pass
 
     def observe(self, slots, starts, taps, token_ids) -> None:
         assert len(taps) == 2 and taps[0].shape[:2] == token_ids.shape
@@ -67,22 +61,13 @@ class RandomProposer(Proposer):
         return torch.randint(0, self.vocab, (len(slots), self.num_drafts), generator=self.gen)
 
 
-class OracleProposer(Proposer):
+class OracleProposer(StatelessProposer):
     """Drafts the target's own greedy continuation (mostly right), so long accepts get exercised;
     every `miss_every`-th draft is corrupted so partial accepts happen too."""
 
     def __init__(self, model: Transformer, block_size: int, miss_every: int = 5) -> None:
-        self.model, self.block_size, self.tap_layers, self.miss_every = model, block_size, (), miss_every
+        self.model, self.block_size, self.miss_every = model, block_size, miss_every
         self.calls = 0
-
-    def allocate(self, num_slots: int, max_len: int) -> None:
-        pass
-
-    def release(self, slot: int) -> None:
-        pass
-
-    def observe(self, slots, starts, taps, token_ids) -> None:
-        pass
 
     def propose(self, slots, ctx_lens, last_tokens, histories) -> torch.Tensor:
         rows = []
