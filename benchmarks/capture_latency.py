@@ -6,7 +6,8 @@ with active consent, so every request takes the whole path: consent lookup, PII 
 Kafka send), the other has it off; a third, also off ("control"), measures what two identical
 servers differ by on this machine, the noise floor any on/off figure must be read against. One
 HTTP client sends the same chat prompts, one request at a time, in short rounds whose arm order
-rotates, so load from other processes on a shared machine falls on all arms alike. Reported per arm: p50 and p99 of client-side latency over all rounds, the
+rotates, so load from other processes on a shared machine falls on all arms alike. Reported per
+arm: p50 and p99 of client-side latency over all rounds, the
 median over rounds of the per-round p50 ratio, and each server's CPU time per request (read from
 /proc): on a shared machine latency moves by more than capture costs, CPU time much less. The sink is
 not run: it is not on the request path and in production runs elsewhere.
@@ -37,6 +38,10 @@ from pathlib import Path
 import httpx
 
 from storage.broker import EmbeddedBroker, ensure_topics, free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests` is not an installed package
+from tests.engine.conftest import write_tiny_hf_model  # noqa: E402
+from tests.integration.conftest import wait_ready  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "capture_latency.json"
 KEY = "bench-key-0123456789abcdef"
@@ -110,25 +115,11 @@ def server(model: list[str], data_dir: Path, log: Path, kafka: str | None) -> It
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
             url = f"http://127.0.0.1:{port}"
-            _wait_ready(url, process, log)
+            wait_ready(url, process, log, _READY_S)
             yield Server(url, process.pid)
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(60)
-
-
-def _wait_ready(url: str, process: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + _READY_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/ready").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"server at {url} not ready within {_READY_S} s")
 
 
 def _latencies(client: httpx.Client, url: str, model: str, user: str, max_tokens: int, count: int) -> list[float]:
@@ -197,9 +188,6 @@ def measure(model_options: list[str], bootstrap: str, work: Path, rounds: int, p
 
 def _tiny_model(directory: Path) -> list[str]:
     """The test suite's tiny random Llama (real files, real tokenizer), written to `directory`."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests` is not an installed package
-    from tests.engine.conftest import write_tiny_hf_model
-
     # 256 = the tiny model's max_position_embeddings
     return ["--model", str(write_tiny_hf_model(directory, "llama")), "--max-len", "256", "--dtype", "float32"]
 

@@ -183,7 +183,10 @@ def main() -> None:
     parser.add_argument("--http", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure our engine through the HTTP server")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                        help="torch threads for every system; on a shared machine 1 avoids OpenMP barrier stalls")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     device, gguf = torch.device(args.device), default_model_path()
     load_before = os.getloadavg()[0]
     _, ckpt = read_checkpoint(gguf)

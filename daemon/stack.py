@@ -21,6 +21,7 @@ import logging
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -35,7 +36,12 @@ log = logging.getLogger(__name__)
 
 TRACE_PARTITIONS = 3  # tansu cannot add partitions later; 3 lets up to 3 sinks share the topic
 DEAD_LETTER_TOPIC = "traces.dlq"
+SINK_GROUP = "specloop-sink"
 _SINK_FLUSH_S = 10  # a developer sees a request's trace in Parquet within seconds, not the default 30
+_SINK_READY_S = 60  # joining the group took 3.5 s against tansu here
+# At stop, the server's last traces are on the broker once capture has flushed; the sink fetches with
+# a 0.5 s poll, so this leaves it time to read them before SIGTERM makes it write what it holds.
+_SINK_CATCH_UP_S = 2.0
 _SINK_STOP_S = 60
 
 
@@ -119,15 +125,39 @@ def _log_file(stack: ExitStack, path: Path) -> IO[bytes]:
 
 
 def _start_sink(stack: ExitStack, bootstrap: str, topic: str, root: Path) -> None:
+    """The sink process, once its consumer group is stable, so that it reads traces as they arrive.
+
+    Serving before that would let a quick start-and-stop end with traces on the broker that the
+    sink never read, which memory storage then loses.
+    """
     command = [sys.executable, "-m", "storage.cli", "sink", "--bootstrap-servers", bootstrap, "--root", str(root),
-               "--topic", topic, "--dead-letter-topic", DEAD_LETTER_TOPIC, "--flush-interval-s", str(_SINK_FLUSH_S)]
+               "--topic", topic, "--group-id", SINK_GROUP, "--dead-letter-topic", DEAD_LETTER_TOPIC,
+               "--flush-interval-s", str(_SINK_FLUSH_S)]
     sink = subprocess.Popen(command, start_new_session=True)
     stack.callback(_stop_sink, sink)
     log.info("sink (pid %d) writing Parquet under %s", sink.pid, root)
+    _wait_for_group(bootstrap, sink)
+
+
+def _wait_for_group(bootstrap: str, sink: subprocess.Popen) -> None:
+    from confluent_kafka import ConsumerGroupState
+    from confluent_kafka.admin import AdminClient
+
+    # tansu describes the group's state but lists no members, so STABLE is the signal: the only
+    # member, the sink, has joined and been given the partitions.
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    deadline = time.monotonic() + _SINK_READY_S
+    while admin.describe_consumer_groups([SINK_GROUP])[SINK_GROUP].result(5).state != ConsumerGroupState.STABLE:
+        if sink.poll() is not None:
+            raise RuntimeError(f"the sink exited with status {sink.returncode} before joining its group")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the sink did not join consumer group {SINK_GROUP} within {_SINK_READY_S} s")
+        time.sleep(0.2)
 
 
 def _stop_sink(sink: subprocess.Popen) -> None:
     """SIGTERM makes the sink flush and commit; it is killed only if that hangs."""
+    time.sleep(_SINK_CATCH_UP_S)
     sink.terminate()
     try:
         code = sink.wait(_SINK_STOP_S)

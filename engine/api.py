@@ -8,11 +8,12 @@ has its engine request aborted so its KV-cache slot is freed.
 
 Every `/v1` route authenticates first: `Authorization: Bearer <key>` names the tenant through
 the `TenantDirectory` (a key it does not know is a 401 `invalid_api_key`, before the body's
-fields are validated; only a body that is not JSON at all is reported first, as a 400). Without a tenants file every request is tenant `anonymous`, never captured, whatever
-key the client sends (the openai client always sends one). The subject whose consent decides
-capture is the `X-Specloop-User` header when present, else the body's `user` field: the header is
-what a gateway in front of the application sets after authenticating the end user, so it is
-trusted over what the application put in the body. `/health`, `/ready` and `/metrics` are open;
+fields are validated; only a body that is not JSON at all is reported first, as a 400). Without
+a tenants file every request is tenant `anonymous`, never captured, whatever key the client
+sends (the openai client always sends one). The subject whose consent decides capture is the
+`X-Specloop-User` header when present, else the body's `user` field: the header is what a
+gateway in front of the application sets after authenticating the end user, so it is trusted
+over what the application put in the body. `/health`, `/ready` and `/metrics` are open;
 routers in `extra_routers` (the consent admin API) bring their own authentication.
 
 The app owns the engine's thread: its lifespan starts the engine when the server starts and stops

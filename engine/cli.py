@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from consent.settings import ConsentSettings
-    from engine.dflash_proposer import DFlashProposer
+    from engine.proposer import Proposer
     from engine.llm_engine import LLMEngine
     from engine.loading import LoadedModel
 
@@ -50,6 +50,8 @@ def serve(
     num_slots: Annotated[int | None, typer.Option(help="Concurrent sequences (KV-cache slots) (default: 8)")] = None,
     max_len: Annotated[int | None, typer.Option(help="Context length per sequence (default: 2048)")] = None,
     drafter: Annotated[Path | None, typer.Option(help="DFlash drafter artifact directory")] = None,
+    proposer: Annotated[str | None, typer.Option(help="auto, ngram, dflash or combined (default: auto)")] = None,
+    block_size: Annotated[int | None, typer.Option(help="Verify block length (default: the drafter's; n-gram 8)")] = None,
     speculate: Annotated[bool | None, typer.Option("--speculate/--no-speculate",
                                                    help="Use the drafter when one is loaded (default: on)")] = None,
     log_level: Annotated[str | None, typer.Option(help="critical, error, warning, info, debug")] = None,
@@ -101,7 +103,7 @@ def build_server(settings: ServerSettings) -> tuple["FastAPI", "LoadedModel"]:
     log.info("loading %s as %s on %s", settings.model or "the default SmolLM2 GGUF", settings.dtype, device)
     loaded = load_model(settings.model, dtype, device)
     optimize_for_cpu_inference(loaded.model)
-    proposer = _proposer(settings, loaded) if settings.drafter else None
+    proposer = _proposer(settings, loaded)
     engine = LLMEngine(loaded.model, settings.engine_config(), loaded.tokenizer.eos_token_ids, proposer)
     return serving_app(settings, loaded, engine, consent), loaded
 
@@ -139,11 +141,21 @@ def _consent_settings() -> "ConsentSettings":
         raise typer.BadParameter(problems) from e
 
 
-def _proposer(settings: ServerSettings, loaded: "LoadedModel") -> "DFlashProposer":
-    """The DFlash proposer for `settings.drafter`; refuses a drafter trained for another model."""
+def _proposer(settings: ServerSettings, loaded: "LoadedModel") -> "Proposer | None":
+    """The drafter `settings.proposer` asks for; refuses a DFlash drafter trained for another model."""
     from engine.dflash_proposer import DFlashProposer
     from engine.drafter_artifact import load_drafter
+    from engine.ngram import NgramProposer
+    from engine.proposer import CombinedProposer
 
+    kind = settings.proposer
+    if kind == "auto":
+        kind = "dflash" if settings.drafter else None
+    if kind is None:
+        return None
+    if kind == "ngram":
+        return NgramProposer(block_size=settings.block_size or 8)
     artifact = load_drafter(settings.drafter, loaded.fingerprint, loaded.model.device, loaded.model.dtype)
-    log.info("drafter %s (block size %d)", settings.drafter, artifact.drafter.config.block_size)
-    return DFlashProposer(artifact.drafter, loaded.model)
+    dflash = DFlashProposer(artifact.drafter, loaded.model, settings.block_size)
+    log.info("drafter %s (block size %d, %s)", settings.drafter, dflash.block_size, kind)
+    return dflash if kind == "dflash" else CombinedProposer(dflash, NgramProposer(block_size=dflash.block_size))

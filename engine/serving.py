@@ -31,7 +31,7 @@ class FinishedRequest:
 
     request_id: str
     endpoint: str  # "completions" | "chat.completions"
-    tenant: str | None  # the client's `OpenAI-Organization` header
+    tenant: str | None  # resolved from the request's API key (`anonymous` without a tenants file)
     user: str | None  # the request's `user` field
     model: str
     fingerprint: str

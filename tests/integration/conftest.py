@@ -6,7 +6,9 @@ tenants, consent registry, capture policy, Kafka producer, admin API), pointed a
 real tansu broker, with a real `TraceSink` thread writing Parquet. Nothing is mocked.
 """
 
+import subprocess
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -106,6 +108,21 @@ def serving(loaded: LoadedModel, settings: ServerSettings, consent: ConsentSetti
 
 def server_settings(**capture: object) -> ServerSettings:
     return ServerSettings(max_len=256, num_slots=4, dtype="float32", device="cpu", **capture)
+
+
+def wait_ready(url: str, process: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    """Return once the server `process` (output in `log`) answers /ready with 200."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with status {process.returncode}: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/ready").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"server at {url} not ready within {timeout_s} s: {log.read_text()[-2000:]}")
 
 
 @contextmanager

@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -15,22 +14,9 @@ import pytest
 
 from storage.broker import free_port
 from storage.layout import live_files
-from tests.integration.conftest import ACME_KEY, TENANTS_YAML
+from tests.integration.conftest import ACME_KEY, TENANTS_YAML, wait_ready
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
-
-
-def _wait_ready(url: str, process: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        assert process.poll() is None, log.read_text()
-        try:
-            if httpx.get(f"{url}/ready").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"specloop up not ready: {log.read_text()}")
 
 
 def _alive(pid: int) -> bool:
@@ -54,7 +40,7 @@ def test_up_serves_captures_and_stops_everything(tiny_llama_dir: Path, tmp_path:
     children, broker_port = [], None
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_ready(url, up, log)
+        wait_ready(url, up, log, 90)
         children = [int(p) for p in re.findall(r"sink \(pid (\d+)\)", log.read_text())]
         broker_port = int(re.search(r"tansu \(memory storage\) on 127.0.0.1:(\d+)", log.read_text()).group(1))
         admin = (tmp_path / "data" / "consent-secrets.json").read_text()

@@ -30,3 +30,11 @@ def test_bad_values_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValidationError) as e:
         ServerSettings(**{field: value})
     assert e.value.errors()[0]["loc"] == (field,)
+
+
+def test_dflash_and_combined_proposers_need_a_drafter() -> None:
+    with pytest.raises(ValidationError, match="needs a drafter"):
+        ServerSettings(proposer="combined")
+    assert ServerSettings(proposer="ngram", block_size=4).block_size == 4
+    with pytest.raises(ValidationError, match="block_size"):
+        ServerSettings(proposer="ngram", block_size=1)
