@@ -221,9 +221,11 @@ def best_of(rows: list[Row], prefix: str) -> Row | None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--heldout", type=Path, default=Path("/tmp/dfl/he_held.jsonl"),
+    # Both come from the bootstrap recipe in the README: `specloop generate` writes heldout.jsonl,
+    # `specloop train-drafter` on its train.jsonl writes the drafter.
+    parser.add_argument("--heldout", type=Path, required=True,
                         help="JSONL or Parquet with prompt_token_ids (held out from drafter training)")
-    parser.add_argument("--drafter", type=Path, default=Path("/tmp/dfl/drafter_he"),
+    parser.add_argument("--drafter", type=Path, default=None,
                         help="DFlash drafter artifact directory; DFlash systems are skipped when it is missing")
     parser.add_argument("--prompts", type=int, default=4, help="use the first N held-out prompts")
     parser.add_argument("--new-tokens", type=int, default=96)
@@ -271,7 +273,7 @@ def main() -> None:
     prompts = load_prompts(args.heldout, args.prompts)
     fingerprint = base_model_fingerprint(ckpt.weights_digest, ckpt.config, ckpt.tokenizer)
     drafter = None
-    if args.drafter.is_dir():
+    if args.drafter is not None and args.drafter.is_dir():
         drafter = load_drafter(args.drafter, fingerprint, args.device, DTYPES[args.dtype]).drafter
     else:
         print(f"no drafter at {args.drafter}: DFlash systems skipped")
