@@ -38,9 +38,6 @@ class DFlashProposer(Proposer):
         d = self.drafter
         self.cache = KVCache(d.config.model_config, num_slots, max_len, self.target.dtype, self.target.device)
 
-    def release(self, slot: int) -> None:
-        pass  # rows are overwritten by the slot's next owner, whose lengths start from zero
-
     @torch.no_grad()
     def observe(self, slots: list[int], starts: list[int], taps: list[torch.Tensor], token_ids: torch.Tensor) -> None:
         assert self.cache is not None, "allocate() before observe()"

@@ -34,9 +34,9 @@ class Proposer(abc.ABC):
     def allocate(self, num_slots: int, max_len: int) -> None:
         """Create per-slot state for `num_slots` sequences of up to `max_len` positions."""
 
-    @abc.abstractmethod
     def release(self, slot: int) -> None:
-        """The sequence in `slot` finished; its state may be dropped or reused."""
+        """The sequence in `slot` finished. Nothing to drop by default: per-slot rows are positional,
+        and the slot's next owner overwrites them from position zero before it reads any."""
 
     @abc.abstractmethod
     def observe(self, slots: list[int], starts: list[int], taps: list[torch.Tensor], token_ids: torch.Tensor) -> None:
@@ -62,9 +62,6 @@ class StatelessProposer(Proposer):
     tap_layers: tuple[int, ...] = ()
 
     def allocate(self, num_slots: int, max_len: int) -> None:
-        pass
-
-    def release(self, slot: int) -> None:
         pass
 
     def observe(self, slots: list[int], starts: list[int], taps: list[torch.Tensor], token_ids: torch.Tensor) -> None:
@@ -93,10 +90,6 @@ class CombinedProposer(Proposer):
     def allocate(self, num_slots: int, max_len: int) -> None:
         self.dflash.allocate(num_slots, max_len)
         self.ngram.allocate(num_slots, max_len)
-
-    def release(self, slot: int) -> None:
-        self.dflash.release(slot)
-        self.ngram.release(slot)
 
     def observe(self, slots: list[int], starts: list[int], taps: list[torch.Tensor], token_ids: torch.Tensor) -> None:
         self.dflash.observe(slots, starts, taps, token_ids)
