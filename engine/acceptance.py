@@ -15,17 +15,19 @@ after committing p, up to floating-point noise.
 Averaging acceptance over every possible anchor instead would overstate τ when acceptances come in
 bursts (n-gram lookup on held-out HumanEval: 5.10 averaged over anchors vs 2.29 replayed).
 `compare` runs several drafters, n-gram lookup and their combinations over one set, as
-`specloop eval-drafter` and the daemon's gate report them. This file does not generate outputs.
+`specloop eval-drafter` and the daemon's gate report them, and can add the same measurement by real
+speculative generation (`engine/live_acceptance.py`).
 """
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from pathlib import Path
-
 from engine.dflash_proposer import DFlashProposer
 from engine.drafter_artifact import load_drafter
+from engine.live_acceptance import generate_stats
 from engine.model import Transformer
 from engine.ngram import NgramProposer
 from engine.proposer import CombinedProposer, Proposer
@@ -121,28 +123,37 @@ def replay(proposer: Proposer, sequences: list[TokenSequence], target: Transform
 
 def compare(target: Transformer, fingerprint: str, sequences: list[TokenSequence], drafters: list[Path],
             ngram_block_size: int | None, combined: bool = True, block_size: int | None = None,
-            min_match: int = 1, batch_size: int = 8) -> dict:
+            min_match: int = 1, batch_size: int = 8, live_concurrency: int | None = None) -> dict:
     """Replay every drafter (refusing any trained for another fingerprint), n-gram lookup at
-    `ngram_block_size` (None: skip), and each drafter combined with n-gram lookup, on the same set."""
+    `ngram_block_size` (None: skip), and each drafter combined with n-gram lookup, on the same set.
+    With `live_concurrency`, each is also run by real speculative generation at that concurrency."""
     results = []
-    if ngram_block_size is not None:
-        stats = replay(NgramProposer(ngram_block_size), sequences, None, batch_size)
-        results.append({"name": f"ngram-b{ngram_block_size}", "kind": "ngram", **stats.to_json()})
-    for path in drafters:
-        art = load_drafter(path, fingerprint, target.device, target.dtype)
-        dflash = DFlashProposer(art.drafter, target, block_size)
-        info = {"drafter": str(path), "lineage": {"data_digest": art.lineage.data_digest,
-                                                   "steps": art.lineage.steps, "seed": art.lineage.seed}}
-        stats = replay(dflash, sequences, target, batch_size)
-        results.append({"name": Path(path).name, "kind": "dflash", **info, **stats.to_json()})
-        if combined:
-            both = CombinedProposer(dflash, NgramProposer(dflash.block_size), min_match)
-            stats = replay(both, sequences, target, batch_size)
-            results.append({"name": f"{Path(path).name}+ngram", "kind": "combined", "min_match": min_match,
-                            **info, **stats.to_json()})
+    for entry, proposer, needs_target in _contenders(target, fingerprint, drafters, ngram_block_size, combined,
+                                                     block_size, min_match):
+        stats = replay(proposer, sequences, target if needs_target else None, batch_size)
+        entry.update(stats.to_json())
+        if live_concurrency is not None:
+            entry["generation"] = generate_stats(target, proposer, sequences, live_concurrency)
+        results.append(entry)
     return {
         "base_model_fingerprint": fingerprint,
         "set": {"digest": digest(sequences), "sequences": len(sequences),
                 "response_tokens": sum(len(s.response) for s in sequences)},
         "results": results,
     }
+
+
+def _contenders(target: Transformer, fingerprint: str, drafters: list[Path], ngram_block_size: int | None,
+                combined: bool, block_size: int | None, min_match: int) -> Iterator[tuple[dict, Proposer, bool]]:
+    """(report entry, proposer, needs the target's taps) for everything `compare` measures."""
+    if ngram_block_size is not None:
+        yield {"name": f"ngram-b{ngram_block_size}", "kind": "ngram"}, NgramProposer(ngram_block_size), False
+    for path in drafters:
+        art = load_drafter(path, fingerprint, target.device, target.dtype)
+        dflash = DFlashProposer(art.drafter, target, block_size)
+        info = {"drafter": str(path), "lineage": {"data_digest": art.lineage.data_digest,
+                                                   "steps": art.lineage.steps, "seed": art.lineage.seed}}
+        yield {"name": Path(path).name, "kind": "dflash", **info}, dflash, True
+        if combined:
+            both = CombinedProposer(dflash, NgramProposer(dflash.block_size), min_match)
+            yield {"name": f"{Path(path).name}+ngram", "kind": "combined", "min_match": min_match, **info}, both, True

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine.attention import attend
 from engine.config import ModelConfig, RopeScaling
 from engine.model import MLP, RMSNorm
 from engine.rope import apply_rope, rope_tables
@@ -159,7 +159,7 @@ class DrafterLayer(nn.Module):
         k, v = self.project_kv(h, cos, sin)  # [B, Hkv, n, D]
         keys = torch.cat([ctx_k, k], dim=2)  # [B, Hkv, T + n, D]
         values = torch.cat([ctx_v, v], dim=2)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        out = attend(q, keys, values, mask)
         x = x + self.o(out.transpose(1, 2).reshape(B, n, -1))
         return x + self.mlp(self.post_norm(x))
 

@@ -13,6 +13,7 @@ Not here: the drafter maths (`engine/dflash.py`), acceptance (`engine/speculatio
 import torch
 
 from engine.dflash import DFlashDrafter
+from engine.attention import cache_dtype
 from engine.kv_cache import AttnBatch, KVCache
 from engine.model import Transformer
 from engine.proposer import Proposer
@@ -36,7 +37,7 @@ class DFlashProposer(Proposer):
 
     def allocate(self, num_slots: int, max_len: int) -> None:
         d = self.drafter
-        self.cache = KVCache(d.config.model_config, num_slots, max_len, self.target.dtype, self.target.device)
+        self.cache = KVCache(d.config.model_config, num_slots, max_len, cache_dtype(self.target.dtype, self.target.device), self.target.device)
 
     @torch.no_grad()
     def observe(self, slots: list[int], starts: list[int], taps: list[torch.Tensor], token_ids: torch.Tensor) -> None:

@@ -25,14 +25,18 @@ def register(app: typer.Typer) -> None:
 
 
 def _target(model: str | None, dtype: str, device: str | None):  # noqa: ANN202 (LoadedModel, imported lazily)
+    """The frozen target, with CPU-inference linears (the drafter only borrows its weights)."""
     import torch
 
+    from engine.cpu_linear import optimize_for_cpu_inference
     from engine.loading import load_model
 
     if dtype not in _DTYPES:
         raise typer.BadParameter(f"--dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return load_model(model, getattr(torch, dtype), dev)
+    loaded = load_model(model, getattr(torch, dtype), dev)
+    optimize_for_cpu_inference(loaded.model)
+    return loaded
 
 
 def train_drafter(
@@ -106,9 +110,12 @@ def eval_drafter(
     device: Annotated[str | None, _DEVICE] = None,
     limit: Annotated[int | None, typer.Option(help="Use only the first N sequences")] = None,
     batch_size: int = 8,
+    generate: Annotated[bool, typer.Option(help="Also measure by real speculative generation on the engine")] = False,
+    concurrency: Annotated[int, typer.Option(help="--generate: sequences decoded together")] = 8,
     output: Annotated[Path | None, typer.Option(help="Also write the JSON here")] = None,
 ) -> None:
-    """Replay greedy speculative decoding over stored target outputs: tau and per-position acceptance."""
+    """Tau and per-position acceptance on stored target outputs: replayed, and with --generate also
+    measured by real speculative generation."""
     from engine.acceptance import compare
     from engine.drafter_artifact import read_meta
     from engine.training_data import read_sequences
@@ -121,11 +128,13 @@ def eval_drafter(
         raise typer.BadParameter(str(e)) from e
     if not sequences:
         raise typer.BadParameter("--data holds no sequences")
+    if concurrency <= 0:
+        raise typer.BadParameter(f"--concurrency must be > 0, got {concurrency}")
     loaded = _target(model, dtype, device)
     nb = (ngram_block_size or block_size or first_block) if ngram else None
     try:
         report = compare(loaded.model, loaded.fingerprint, sequences, drafters, nb, combined, block_size,
-                         min_match, batch_size)
+                         min_match, batch_size, concurrency if generate else None)
     except ValueError as e:  # a drafter for another base model, a block size it was not trained for
         raise typer.BadParameter(str(e)) from e
     text = json.dumps(report, indent=2)

@@ -6,7 +6,9 @@ Generation runs on our engine with continuous batching at high concurrency, whic
 throughput comes from (transformers' batched `generate` made about 57 tokens/s here).
 
 A deterministic held-out split by prompt hash is written beside the training file, so held-out
-prompts never appear in training data. This file holds only the command and its wiring.
+prompts never appear in training data. Answers are appended chunk by chunk, so a long run
+(hours over the evals corpus) keeps what it finished when stopped, and `--resume` skips the
+prompts already answered. This file holds only the command and its wiring.
 """
 
 import logging
@@ -36,6 +38,8 @@ def generate(
     model: Annotated[str | None, typer.Option(help="HF directory or .gguf (default: SmolLM2 GGUF)")] = None,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16")] = "bfloat16",
     seed: Annotated[int, typer.Option(help="Prompt sampling seed")] = 0,
+    chunk: Annotated[int, typer.Option(help="Prompts answered between appends to the output files")] = 512,
+    resume: Annotated[bool, typer.Option(help="Keep existing output files and skip prompts already answered")] = False,
 ) -> None:
     """Answer a prompt set with the target and store the answers as drafter training data."""
     import json
@@ -47,8 +51,9 @@ def generate(
     from engine.loading import load_model
     from engine.prompt_sources import ensure_evals, humaneval_prompts, read_prompts, sample_evals_prompts
     from engine.sequence import SamplingParams
-    from engine.training_data import TokenSequence, digest, split_heldout, write_jsonl
+    from engine.training_data import TokenSequence, append_jsonl, digest, read_sequences, split_heldout
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if dtype not in ("float32", "bfloat16"):
         raise typer.BadParameter(f"--dtype must be float32 or bfloat16, got {dtype!r}")
     if concurrency < 1 or max_tokens < 1:
@@ -69,19 +74,41 @@ def generate(
     ids = [p for p in ids if len(p) + max_tokens <= max_len][:limit]
     if not ids:
         raise typer.BadParameter("no prompt fits --max-len with --max-tokens")
+    if chunk < 1:
+        raise typer.BadParameter("--chunk must be >= 1")
+    out.mkdir(parents=True, exist_ok=True)
+    files = (out / "train.jsonl", out / "heldout.jsonl")
+    done = _answered(files) if resume else set()
+    ids = [p for p in ids if tuple(p) not in done]
+    if not resume:
+        for f in files:
+            f.write_text("")
     engine = LLMEngine(loaded.model, EngineConfig(num_slots=concurrency, max_len=max_len),
                        loaded.tokenizer.eos_token_ids)
-    started = time.perf_counter()
-    seqs = engine.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    started, tokens, counts = time.perf_counter(), 0, [0, 0]
+    for lo in range(0, len(ids), chunk):
+        seqs = engine.generate(ids[lo:lo + chunk], params)
+        data = [TokenSequence(tuple(s.prompt_ids), tuple(s.output_ids)) for s in seqs]
+        for f, part, i in zip(files, split_heldout(data, heldout_fraction), (0, 1)):
+            append_jsonl(f, part)
+            counts[i] += len(part)
+        tokens += sum(len(s.output_ids) for s in seqs)
+        seconds = time.perf_counter() - started
+        log.info("answered %d/%d prompts, %d tokens, %.1f tokens/s", lo + len(seqs), len(ids), tokens,
+                 tokens / seconds)
     seconds = time.perf_counter() - started
-    data = [TokenSequence(tuple(s.prompt_ids), tuple(s.output_ids)) for s in seqs]
-    train, held = split_heldout(data, heldout_fraction)
-    out.mkdir(parents=True, exist_ok=True)
-    write_jsonl(out / "train.jsonl", train)
-    write_jsonl(out / "heldout.jsonl", held)
-    tokens = sum(len(s.output_ids) for s in seqs)
-    stats = {"source": source, "prompts": len(data), "train": len(train), "heldout": len(held),
-             "response_tokens": tokens, "seconds": round(seconds, 1), "tokens_per_second": round(tokens / seconds, 1),
-             "concurrency": concurrency, "dtype": dtype, "base_model": loaded.fingerprint, "digest": digest(data)}
+    stats = {"source": source, "prompts": sum(counts), "train": counts[0], "heldout": counts[1],
+             "skipped_already_answered": len(done), "response_tokens": tokens, "seconds": round(seconds, 1),
+             "tokens_per_second": round(tokens / max(seconds, 1e-9), 1), "concurrency": concurrency,
+             "dtype": dtype, "base_model": loaded.fingerprint,
+             "digest": digest(read_sequences(files))}
     (out / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
     typer.echo(json.dumps(stats))
+
+
+def _answered(files: tuple[Path, ...]) -> set[tuple[int, ...]]:
+    """Prompts already in the output files (a resumed run skips them)."""
+    from engine.training_data import read_sequences
+
+    return {s.prompt for s in read_sequences([f for f in files if f.exists()])}

@@ -46,8 +46,8 @@ class KVCache:
         heads = torch.arange(k.shape[1], device=k.device).view(1, -1, 1)
         slots = batch.slots.view(-1, 1, 1)
         pos = batch.positions.unsqueeze(1)  # [B, 1, n]
-        self.k[layer][slots, heads, pos] = k
-        self.v[layer][slots, heads, pos] = v
+        self.k[layer][slots, heads, pos] = k.to(self.k.dtype)
+        self.v[layer][slots, heads, pos] = v.to(self.v.dtype)
 
     def read(self, layer: int, batch: "AttnBatch") -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values `[B, Hkv, kv_len, D]` of the batch's slots: a view when slots are consecutive."""

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.attention import attend
 from engine.config import ModelConfig
 from engine.kv_cache import AttnBatch, KVCache
 from engine.rope import apply_rope, rope_tables
@@ -53,12 +54,12 @@ class Attention(nn.Module):
         q, k = apply_rope(qk.transpose(1, 2), cos, sin).split([c.num_heads, c.num_kv_heads], dim=1)  # [B, H, n, D]
         v = v.view(B, n, c.num_kv_heads, c.head_dim).transpose(1, 2)  # [B, Hkv, n, D]
         if cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=n > 1, enable_gqa=True)
+            out = attend(q, k, v, causal=n > 1)
         else:
             assert batch is not None
             cache.write(layer, batch, k, v)
             keys, values = cache.read(layer, batch)  # [B, Hkv, kv_len, D]
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=batch.mask, enable_gqa=True)
+            out = attend(q, keys, values, batch.mask)
         return self.o(out.transpose(1, 2).reshape(B, n, c.q_size))
 
 

@@ -9,6 +9,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from engine.attention import cache_dtype
 from engine.kv_cache import AttnBatch, KVCache
 from engine.model import Transformer
 from engine.sequence import Sequence
@@ -20,7 +21,8 @@ class ModelRunner:
         self.model = model
         self.device = model.device
         self.max_len = max_len
-        self.cache = KVCache(model.config, num_slots, max_len + slack, model.dtype, self.device)
+        self.cache = KVCache(model.config, num_slots, max_len + slack, cache_dtype(model.dtype, self.device),
+                             self.device)
 
     @torch.inference_mode()
     def prefill(self, seq: Sequence, start: int, end: int, taps: Seq[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:

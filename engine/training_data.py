@@ -10,6 +10,7 @@ This file does not build datasets (consent filtering, dedup: `storage/`) and kno
 
 import hashlib
 import json
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,9 +73,17 @@ def read_sequences(paths: Iterable[str | Path]) -> list[TokenSequence]:
 
 
 def write_jsonl(path: str | Path, sequences: Iterable[TokenSequence]) -> None:
-    with Path(path).open("w") as f:
+    Path(path).write_text("")
+    append_jsonl(path, sequences)
+
+
+def append_jsonl(path: str | Path, sequences: Iterable[TokenSequence]) -> None:
+    """Append records and fsync, so a run stopped later keeps them."""
+    with Path(path).open("a") as f:
         for s in sequences:
             f.write(json.dumps({COLUMNS[0]: list(s.prompt), COLUMNS[1]: list(s.response)}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def digest(sequences: Sequence[TokenSequence]) -> str:
