@@ -16,6 +16,7 @@ Not here: reading data (`engine/training_data.py`), the CLI (`engine/drafter_cli
 format (`engine/drafter_artifact.py`).
 """
 
+import copy
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -58,6 +59,7 @@ class TrainConfig:
     resume: bool = True
     init_from: str | None = None
     trim_vocab: bool = False
+    eval_tau: bool = False  # also replay speculative decoding on the held-out split at each evaluation
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -256,15 +258,16 @@ class Trainer:
         layer: 29 s per step with it, 5.5 s without), and small datasets are seen for many epochs,
         so each sequence's taps are computed once.
         """
-        missing = [i for i in dict.fromkeys(idx) if i not in self.features]
-        if missing and self.feature_bytes < self.cfg.feature_cache_gb * 2**30:
+        for i in dict.fromkeys(idx):
+            if i in self.features or self.feature_bytes >= self.cfg.feature_cache_gb * 2**30:
+                continue
+            # One sequence per target pass: a padded batch of random lengths wasted 45% of its
+            # positions on padding here (8 sequences of ~270 tokens padded to 388).
             with torch.no_grad():
-                _, taps = self.target(Batch.of([self.train_set[i] for i in missing], self.cfg.max_seq_len,
-                                               self.device).tokens, taps=self.drafter.config.tap_layers)
-            for row, i in enumerate(missing):
-                length = min(len(self.train_set[i].tokens), self.cfg.max_seq_len)
-                self.features[i] = [t[row, :length].clone() for t in taps]  # each [len, H]
-                self.feature_bytes += sum(t.nbytes for t in self.features[i])
+                _, taps = self.target(Batch.of([self.train_set[i]], self.cfg.max_seq_len, self.device).tokens,
+                                      taps=self.drafter.config.tap_layers)
+            self.features[i] = [t[0] for t in taps]  # each [len, H]
+            self.feature_bytes += sum(t.nbytes for t in self.features[i])
         if any(i not in self.features for i in idx):
             return batch
         S = batch.tokens.shape[1]
@@ -299,10 +302,33 @@ class Trainer:
             correct, total = correct + s.correct, total + s.supervised
         return sum(losses) / len(losses), correct / max(1, total)
 
+    def response_tokens_seen(self) -> int:
+        """Response tokens in the batches trained on so far (epochs counted again)."""
+        n, bs = len(self.train_set), self.cfg.batch_size
+        per_epoch = sum(len(s.response) for s in self.train_set)
+        epochs, rest = divmod(self.step * bs, n)
+        if not rest:
+            return epochs * per_epoch
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 100_003 + epochs))
+        return epochs * per_epoch + sum(len(self.train_set[int(i)].response) for i in perm[:rest])
+
+    def heldout_tau(self) -> float:
+        """τ of greedy speculative decoding replayed over the held-out split with the current weights."""
+        from engine.acceptance import replay
+        from engine.dflash_proposer import DFlashProposer
+
+        # The proposer casts its drafter to the target's dtype in place: give it a copy.
+        proposer = DFlashProposer(copy.deepcopy(self.drafter), self.target)
+        return replay(proposer, self.heldout, self.target, batch_size=self.cfg.batch_size).tau
+
     def _evaluate(self) -> bool:
         """Record held-out loss; True when training should stop early."""
         loss, acc = self.heldout_loss()
-        self.history.append({"step": self.step, "heldout_loss": loss, "heldout_accuracy": acc})
+        point = {"step": self.step, "seconds": round(self.elapsed, 1), "heldout_loss": loss, "heldout_accuracy": acc,
+                 "response_tokens_seen": self.response_tokens_seen()}
+        if self.cfg.eval_tau:
+            point["heldout_tau"] = self.heldout_tau()
+        self.history.append(point)
         if self.best_loss is None or loss < self.best_loss:
             self.best_loss, self.bad_evals = loss, 0
             self.best_state = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}

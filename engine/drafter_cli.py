@@ -65,6 +65,7 @@ def train_drafter(
     init_from: Annotated[Path | None, typer.Option(help="Warm start from this drafter artifact")] = None,
     trim_vocab: Annotated[bool, typer.Option(help="Output only tokens seen in training responses")] = False,
     feature_cache_gb: Annotated[float, typer.Option(help="Memory for cached target hidden states; 0 = off")] = 4.0,
+    eval_tau: Annotated[bool, typer.Option(help="Replay held-out tau at every evaluation (a tau-vs-time curve)")] = False,
     progress: bool = True,
 ) -> None:
     """Train a DFlash drafter on the target's own outputs and write the artifact to OUT."""
@@ -78,7 +79,7 @@ def train_drafter(
             num_anchors=anchors, max_seq_len=max_seq_len, lr=lr, warmup_ratio=warmup_ratio, gamma=gamma,
             seed=seed, heldout_fraction=heldout_fraction, eval_every=eval_every, patience=patience,
             checkpoint_every=checkpoint_every, resume=resume, init_from=str(init_from) if init_from else None,
-            trim_vocab=trim_vocab, feature_cache_gb=feature_cache_gb, progress=progress,
+            trim_vocab=trim_vocab, feature_cache_gb=feature_cache_gb, eval_tau=eval_tau, progress=progress,
         )
         sequences = read_sequences(data)
     except ValueError as e:

@@ -96,3 +96,11 @@ def test_feature_cache_gives_the_same_training(tmp_path: Path) -> None:
     assert len(cached.features) == 8 and not fresh.features
     for (name, a), b in zip(cached.drafter.state_dict().items(), fresh.drafter.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, msg=name)
+
+
+def test_heldout_tau_is_tracked_and_rises_with_training(tmp_path: Path) -> None:
+    result = Trainer(config(tmp_path, eval_tau=True), tiny_target(), "fp", cycling(40)).run()
+    taus = [point["heldout_tau"] for point in result.history]
+    seen = [point["response_tokens_seen"] for point in result.history]
+    assert 1.0 <= taus[0] < taus[-1] and taus[-1] > 2.0, taus
+    assert seen == sorted(seen) and seen[-1] == 40 * 4 * 24  # 40 steps of 4 sequences of 24 response tokens

@@ -27,6 +27,22 @@ def test_generate_writes_a_disjoint_train_and_heldout_split(tiny_llama_dir: Path
     assert stats["response_tokens"] == sum(len(s.response) for s in train + held)
 
 
+def test_generate_resume_answers_only_the_missing_prompts(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    out, prompts = tmp_path / "boot", tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Count to {i}"}]}) + "\n"
+                               for i in range(10)))
+    base = ["generate", "--out", str(out), "--model", str(tiny_llama_dir), "--source", "file", "--prompts-file",
+            str(prompts), "--max-tokens", "4", "--concurrency", "3", "--chunk", "2", "--dtype", "float32"]
+    first = CliRunner().invoke(app, [*base, "--limit", "4"])
+    assert first.exit_code == 0, first.output
+    second = CliRunner().invoke(app, [*base, "--limit", "10", "--resume"])
+    assert second.exit_code == 0, second.output
+    stats = json.loads((out / "stats.json").read_text())
+    assert (stats["skipped_already_answered"], stats["prompts"]) == (4, 6)
+    rows = read_sequences([out / "train.jsonl", out / "heldout.jsonl"])
+    assert len(rows) == 10 == len({r.prompt for r in rows})
+
+
 def test_generate_refuses_bad_options(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["generate", "--out", str(tmp_path), "--dtype", "float16"])
     assert result.exit_code != 0 and "--dtype" in result.output
