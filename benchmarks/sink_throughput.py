@@ -1,23 +1,26 @@
 """Sink throughput: traces/s from Kafka (embedded tansu, memory storage) into durable Parquet.
 
-For each trace shape, in one run: pre-produce N traces, then
+For each trace shape (64+64, 256+256 and 512+512 prompt+response tokens), in one run: pre-produce
+N traces, then
 
-* end to end, `--repeats` times, two variants interleaved: one in-process `TraceSink` (a fresh
-  consumer group each time) timed from its first consumed record until every trace is committed in
-  Parquet (group join excluded; fetch, validation, Arrow build, zstd Parquet, fsync and commit
-  included), converting traces to Arrow all at the flush (as the sink did before) or every
-  `arrow_chunk_traces` (as it does now); best and median of each;
-* per stage, on the same records: reading them with kafka-python (the sink's old client) and with
-  confluent-kafka (its client now), from `assign` (so wall time includes ~0.6 s of connection
-  setup; compare their CPU figures), `Trace` validation, Arrow build, and the durable Parquet write.
+* end to end, `--repeats` times: one in-process `TraceSink` (a fresh consumer group each time)
+  timed from its first consumed record until every trace is committed in Parquet (group join
+  excluded; fetch, validation, Arrow build, zstd Parquet, fsync and commit included); best and
+  median;
+* per stage, on the same records: reading them with confluent-kafka from `assign` (so wall time
+  includes ~0.6 s of connection setup; read its CPU figure), validation and Arrow build the way the
+  sink did before (`Trace.model_validate_json`, `to_arrow` from Python lists) and does now
+  (`decode_row`, `rows_to_arrow` from int32 arrays), alternating in chunks of `arrow_chunk_traces`
+  as in the sink, and the durable Parquet write.
 
-The kafka-python sink itself is gone; its figures from this machine are kept in `BEFORE`.
+Earlier sinks are gone; their end-to-end figures from this machine are kept in `BEFORE`.
 Each figure is given as wall-clock traces/s and as traces per CPU-second of this process (all its
 threads; the broker runs in another process): on the shared 2-core machine the wall figure moves
 with other people's load, the CPU figure much less. The load average is recorded at start and end.
 Target: >= 10,000 traces/s. Writes `benchmarks/results/sink_throughput.json`.
 
-Usage: `.venv/bin/python benchmarks/sink_throughput.py [--traces 30000] [--repeats 3]`
+Usage: `.venv/bin/python benchmarks/sink_throughput.py [--traces 30000] [--repeats 3] [--shapes short,long,xl]
+[--out PATH]`
 """
 
 from __future__ import annotations
@@ -36,24 +39,26 @@ from pathlib import Path
 
 import pyarrow as pa
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
-from kafka import KafkaConsumer
-from kafka import TopicPartition as KafkaTopicPartition
 from prometheus_client import CollectorRegistry
 
 from storage.broker import EmbeddedBroker, ensure_topics
 from storage.layout import write_parquet_atomic
-from storage.schema import SamplingParams, SpecStats, Trace, decode_trace, to_arrow
+from storage.schema import SamplingParams, SpecStats, Trace, decode_row, decode_trace, rows_to_arrow, to_arrow
 from storage.sink import SinkConfig, TraceSink
 
 RESULTS = Path(__file__).parent / "results" / "sink_throughput.json"
-SHAPES = {"short (64+64 tokens)": (64, 64), "long (256+256 tokens)": (256, 256)}
+SHAPES = {"short": ("short (64+64 tokens)", (64, 64)), "long": ("long (256+256 tokens)", (256, 256)),
+          "xl": ("xl (512+512 tokens)", (512, 512))}
 PARTITIONS = 3
 FLUSH_RECORDS = 20_000
 CHUNK = SinkConfig.model_fields["arrow_chunk_traces"].default
-# The sink's Arrow conversion, side by side: the whole batch at its flush (as before) vs in chunks.
-VARIANTS = {"confluent, arrow at flush": FLUSH_RECORDS, f"confluent, arrow every {CHUNK} traces (now)": CHUNK}
-# The kafka-python sink, measured on this machine before the switch (load average 7.5).
-BEFORE = {"short (64+64 tokens)": 3201, "long (256+256 tokens)": 2919}
+# Median end-to-end traces/s of earlier sinks on this machine: kafka-python (load average 7.5), and
+# confluent-kafka validating into pydantic `Trace`s (load average 4.0-4.6, 2026-11-29).
+BEFORE = {
+    "short (64+64 tokens)": {"kafka-python sink": 3201, "pydantic Trace sink": 12919},
+    "long (256+256 tokens)": {"kafka-python sink": 2919, "pydantic Trace sink": 6076},
+    "xl (512+512 tokens)": {},
+}
 
 
 def _trace(rng: random.Random, prompt_len: int, response_len: int, at: datetime) -> Trace:
@@ -92,11 +97,10 @@ def _produce(servers: str, topic: str, count: int, shape: tuple[int, int]) -> in
     return payload_bytes
 
 
-def _end_to_end(servers: str, topic: str, count: int, root: Path, arrow_chunk: int) -> dict[str, float]:
+def _end_to_end(servers: str, topic: str, count: int, root: Path) -> dict[str, float]:
     config = SinkConfig(
         bootstrap_servers=servers, root=root, topic=topic, group_id=f"bench-{uuid.uuid4().hex[:6]}",
         dead_letter_topic=f"{topic}.dlq", flush_records=FLUSH_RECORDS, flush_interval_s=5.0,
-        arrow_chunk_traces=arrow_chunk,
     )  # fmt: skip
     registry = CollectorRegistry()
     sink = TraceSink(config, registry=registry)
@@ -125,17 +129,23 @@ def _summary(runs: list[dict[str, float]]) -> dict[str, object]:
 
 
 class _Clock:
-    """Wall and CPU seconds summed over the `with` blocks it times."""
+    """Wall and CPU seconds summed over the `with` blocks it times.
 
-    def __init__(self) -> None:
+    CPU is the whole process's by default (librdkafka reads and Arrow compresses on threads of
+    their own); `thread_only` counts this thread alone, for pure-Python stages, which the idle
+    background threads of closed Kafka clients would otherwise inflate.
+    """
+
+    def __init__(self, thread_only: bool = False) -> None:
         self.wall = self.cpu = 0.0
+        self._cpu_clock = time.thread_time if thread_only else time.process_time
 
     def __enter__(self) -> None:
-        self._wall, self._cpu = time.perf_counter(), time.process_time()
+        self._wall, self._cpu = time.perf_counter(), self._cpu_clock()
 
     def __exit__(self, *_: object) -> None:
         self.wall += time.perf_counter() - self._wall
-        self.cpu += time.process_time() - self._cpu
+        self.cpu += self._cpu_clock() - self._cpu
 
     def rates(self, count: int) -> dict[str, float]:
         return {
@@ -156,36 +166,27 @@ def _read_confluent(servers: str, topic: str, count: int, clock: _Clock) -> list
     return values
 
 
-def _read_kafka_python(servers: str, topic: str, count: int, clock: _Clock) -> None:
-    consumer = KafkaConsumer(
-        bootstrap_servers=servers, enable_auto_commit=False, max_partition_fetch_bytes=16 * 1024 * 1024
-    )
-    partitions = [KafkaTopicPartition(topic, p) for p in range(PARTITIONS)]
-    read = 0
-    with clock:
-        consumer.assign(partitions)
-        consumer.seek_to_beginning(*partitions)
-        while read < count:
-            read += sum(len(records) for records in consumer.poll(timeout_ms=1_000, max_records=5_000).values())
-    consumer.close()
-
-
 def _stages(servers: str, topic: str, count: int, scratch: Path) -> dict[str, dict[str, float]]:
     """Each stage's cost; validation and Arrow alternate in chunks of `CHUNK`, as in the sink."""
-    stages, old_client, new_client = {}, _Clock(), _Clock()
-    _read_kafka_python(servers, topic, count, old_client)
-    stages["read: kafka-python"] = old_client.rates(count)
-    values = _read_confluent(servers, topic, count, new_client)
-    stages["read: confluent-kafka"] = new_client.rates(count)
-    validate, arrow = _Clock(), _Clock()
+    stages, read = {}, _Clock()
+    values = _read_confluent(servers, topic, count, read)
+    stages["read: confluent-kafka"] = read.rates(count)
+    clocks = {name: _Clock(thread_only=True) for name in ("validate", "arrow", "decode_row", "rows_to_arrow")}
     tables = []
     for start in range(0, count, CHUNK):
-        with validate:
-            traces = [decode_trace(value, 1 << 20) for value in values[start : start + CHUNK]]
-        with arrow:
-            tables.append(to_arrow(traces))
-    stages["validate: Trace.model_validate_json"] = validate.rates(count)
-    stages["arrow: to_arrow"] = arrow.rates(count)
+        chunk = values[start : start + CHUNK]
+        with clocks["validate"]:
+            traces = [decode_trace(value, 1 << 20) for value in chunk]
+        with clocks["arrow"]:
+            to_arrow(traces)
+        with clocks["decode_row"]:
+            rows = [decode_row(value, 1 << 20) for value in chunk]
+        with clocks["rows_to_arrow"]:
+            tables.append(rows_to_arrow(rows))
+    stages["validate before: Trace.model_validate_json"] = clocks["validate"].rates(count)
+    stages["arrow before: to_arrow (Python lists)"] = clocks["arrow"].rates(count)
+    stages["validate now: decode_row"] = clocks["decode_row"].rates(count)
+    stages["arrow now: rows_to_arrow (int32 arrays)"] = clocks["rows_to_arrow"].rates(count)
     clock = _Clock()
     with clock:
         write_parquet_atomic(scratch / "stage.parquet", pa.concat_tables(tables))
@@ -197,35 +198,39 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--traces", type=int, default=30_000)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes (short trial runs: elsewhere)")
     args = parser.parse_args()
+    unknown = set(args.shapes.split(",")) - set(SHAPES)
+    if unknown:
+        parser.error(f"--shapes: unknown {sorted(unknown)}, known {list(SHAPES)}")
     load_at_start = os.getloadavg()
     results = []
     with EmbeddedBroker() as broker, tempfile.TemporaryDirectory() as scratch:
-        for name, shape in SHAPES.items():
+        for name, shape in (SHAPES[key] for key in args.shapes.split(",")):
             topic = f"bench-{uuid.uuid4().hex[:6]}"
             ensure_topics(broker.bootstrap_servers, {topic: PARTITIONS, f"{topic}.dlq": 1})
             payload = _produce(broker.bootstrap_servers, topic, args.traces, shape)
-            runs: dict[str, list[dict[str, float]]] = {variant: [] for variant in VARIANTS}
+            runs = []
             for repeat in range(args.repeats):
-                for variant, chunk in VARIANTS.items():  # interleaved, so load drifts hit both alike
-                    root = Path(scratch) / f"{topic}-{chunk}-{repeat}"
-                    runs[variant].append(_end_to_end(broker.bootstrap_servers, topic, args.traces, root, chunk))
-                    print(name, variant, json.dumps(runs[variant][-1]), f"load {os.getloadavg()[0]:.1f}", flush=True)
-            parquet = sum(p.stat().st_size for p in (Path(scratch) / f"{topic}-{CHUNK}-0").rglob("*.parquet"))
+                root = Path(scratch) / f"{topic}-{repeat}"
+                runs.append(_end_to_end(broker.bootstrap_servers, topic, args.traces, root))
+                print(name, json.dumps(runs[-1]), f"load {os.getloadavg()[0]:.1f}", flush=True)
+            parquet = sum(p.stat().st_size for p in (Path(scratch) / f"{topic}-0").rglob("*.parquet"))
             results.append(
                 {
                     "shape": name,
                     "traces": args.traces,
                     "json_bytes_per_trace": round(payload / args.traces),
                     "parquet_bytes_per_trace": round(parquet / args.traces),
-                    "before_kafka_python_sink_traces_per_s": BEFORE[name],
-                    "end_to_end": {variant: _summary(variant_runs) for variant, variant_runs in runs.items()},
+                    "before_median_traces_per_s": BEFORE[name],
+                    "end_to_end": _summary(runs),
                     "stages": _stages(broker.bootstrap_servers, topic, args.traces, Path(scratch)),
                 }
             )
             print(json.dumps(results[-1], indent=1), flush=True)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(
         json.dumps(
             {
                 "benchmark": "sink_throughput",
@@ -234,7 +239,7 @@ def main() -> None:
                 "load_average_1_5_15m_at_start": [round(x, 2) for x in load_at_start],
                 "load_average_1_5_15m_at_end": [round(x, 2) for x in os.getloadavg()],
                 "broker": f"tansu memory storage, {PARTITIONS} partitions, loopback",
-                "sink_client": "confluent-kafka (librdkafka); before: kafka-python",
+                "sink": "confluent-kafka (librdkafka), decode_row + rows_to_arrow",
                 "results": results,
             },
             indent=2,

@@ -5,6 +5,15 @@
 or raises `TraceRejected` with a short reason that the sink puts on the dead-letter topic. The wire
 format is plain JSON so that any Kafka client (confluent-kafka, a JVM service) can produce traces.
 
+`decode_row` is the sink's fast road to the same verdict: `Trace` stays the definition of a valid
+v1 trace, and `_WireTrace` mirrors its rules in msgspec with the token-id arrays left as raw JSON
+text, parsed by numpy straight into int32 arrays. Python ints were the cost: per 256+256-token
+trace `model_validate_json` took 54 us and a bare `orjson.loads` 34 us, where msgspec without the
+token lists takes 5.4 us and numpy parses each 256-id list in about 4 us. Whatever the mirror
+rejects is judged again by `Trace` (pydantic also takes `true` and `1.0` as schema_version 1), so
+no trace valid under `Trace` is dead-lettered because of the mirror, and rejections keep
+`decode_trace`'s reasons; tests/storage/test_schema.py checks that the two accept the same inputs.
+
 Version rule: a reader accepts only versions it knows (`schema_version == 1` here). Any change to
 fields or their meaning is a new version with its own model, never an edit of this one; unknown
 fields are rejected rather than dropped, so a v2 writer that forgets to bump the version is caught.
@@ -16,10 +25,13 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Sequence
-from datetime import UTC
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Annotated, Literal
 
+import msgspec
+import numpy as np
 import pyarrow as pa
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -27,10 +39,15 @@ SCHEMA_VERSION = 1
 KNOWN_VERSIONS = frozenset({SCHEMA_VERSION})
 
 # Fingerprints and ids become hive directory names and file names: no separators, no spaces.
-_SAFE_ID = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
-_PSEUDONYM = r"^[0-9a-f]{64}$"
+# Anchored per engine: pydantic's Rust regex ends at `$`, Python's `re` (msgspec) needs `\Z`,
+# because its `$` also matches before a final newline.
+_SAFE_ID_BODY = r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}"
+_PSEUDONYM_BODY = r"[0-9a-f]{64}"
+_SAFE_ID = rf"^{_SAFE_ID_BODY}$"
+_PSEUDONYM = rf"^{_PSEUDONYM_BODY}$"
+_TOKEN_LIMIT = 2**31
 
-TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+TokenId = Annotated[int, Field(ge=0, lt=_TOKEN_LIMIT)]
 ShortText = Annotated[str, Field(min_length=1, max_length=128)]
 
 
@@ -156,18 +173,27 @@ def to_arrow(traces: Sequence[Trace]) -> pa.Table:
     """Traces as a table with `ARROW_SCHEMA`, built column by column.
 
     Column-wise building measured 6x faster than `Table.from_pylist(model_dump())` for traces of
-    200 + 200 tokens (about 20 us vs 130 us per trace), which is what lets the sink reach 10k/s.
+    200 + 200 tokens (about 20 us vs 130 us per trace).
     """
+    return _table(traces, lambda name: _token_lists([getattr(t, name) for t in traces]))
+
+
+def rows_to_arrow(rows: Sequence[TraceRow]) -> pa.Table:
+    """Decoded rows as a table with `ARROW_SCHEMA`; token columns from their int32 arrays, no Python ints."""
+    return _table([r.fields for r in rows], lambda name: _token_arrays([getattr(r, name) for r in rows]))
+
+
+def _table(records: Sequence[object], token_column: Callable[[str], pa.ListArray]) -> pa.Table:
     columns = []
     for field in ARROW_SCHEMA:
         if pa.types.is_struct(field.type):
-            parts = [getattr(t, field.name) for t in traces]
+            parts = [getattr(r, field.name) for r in records]
             children = [pa.array([getattr(p, c.name) for p in parts], c.type) for c in field.type]
             columns.append(pa.StructArray.from_arrays(children, fields=list(field.type)))
         elif pa.types.is_list(field.type):
-            columns.append(_token_lists([getattr(t, field.name) for t in traces]))
+            columns.append(token_column(field.name))
         else:
-            columns.append(pa.array([getattr(t, field.name) for t in traces], field.type))
+            columns.append(pa.array([getattr(r, field.name) for r in records], field.type))
     return pa.Table.from_arrays(columns, schema=ARROW_SCHEMA)
 
 
@@ -175,6 +201,13 @@ def _token_lists(lists: list[list[int]]) -> pa.ListArray:
     offsets = [0, *itertools.accumulate(len(tokens) for tokens in lists)]
     values = pa.array(itertools.chain.from_iterable(lists), pa.int32())
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), values)
+
+
+def _token_arrays(arrays: list[np.ndarray]) -> pa.ListArray:
+    offsets = np.zeros(len(arrays) + 1, np.int32)
+    np.cumsum([len(a) for a in arrays], out=offsets[1:])
+    values = np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values, pa.int32()))
 
 
 class TraceRejected(ValueError):
@@ -187,14 +220,18 @@ class TraceRejected(ValueError):
 
 def decode_trace(value: bytes | None, max_bytes: int) -> Trace:
     """Validate wire bytes as a v1 trace, or raise `TraceRejected` naming why."""
-    if value is None or not value:
-        raise TraceRejected("empty: message has no value")
-    if len(value) > max_bytes:
-        raise TraceRejected(f"oversized: {len(value)} bytes > limit {max_bytes}")
+    _check_size(value, max_bytes)
     try:
         return Trace.model_validate_json(value)
     except ValidationError as error:
         raise TraceRejected(_diagnose(value, error)) from None
+
+
+def _check_size(value: bytes | None, max_bytes: int) -> None:
+    if value is None or not value:
+        raise TraceRejected("empty: message has no value")
+    if len(value) > max_bytes:
+        raise TraceRejected(f"oversized: {len(value)} bytes > limit {max_bytes}")
 
 
 def _diagnose(value: bytes, error: ValidationError) -> str:
@@ -215,6 +252,131 @@ def _diagnose(value: bytes, error: ValidationError) -> str:
     return f"invalid: {location}: {first['msg']} ({error.error_count()} error(s))"
 
 
+_WireId = Annotated[str, msgspec.Meta(pattern=rf"^{_SAFE_ID_BODY}\Z")]
+_WireText = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+_WireTime = Annotated[datetime, msgspec.Meta(tz=True)]
+_WireCount = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _WireSampling(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    temperature: Annotated[float, msgspec.Meta(ge=0.0)]
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+    top_k: _WireCount
+    max_tokens: Annotated[int, msgspec.Meta(ge=1)]
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+class _WireSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    drafts: _WireCount
+    draft_tokens: _WireCount
+    accepted_tokens: _WireCount
+
+    def __post_init__(self) -> None:
+        if self.accepted_tokens > self.draft_tokens:
+            raise ValueError("accepted_tokens exceeds draft_tokens")
+
+
+class _WireTrace(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """`Trace`'s rules in msgspec, token ids left as raw JSON for `_token_ids`."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    trace_id: _WireId
+    created_at: _WireTime
+    finished_at: _WireTime
+    tenant: _WireText
+    subject: Annotated[str, msgspec.Meta(pattern=rf"^{_PSEUDONYM_BODY}\Z")]
+    consent_id: _WireText
+    consent_policy_version: _WireText
+    base_model: _WireId
+    drafter_version: _WireText | None
+    endpoint: _WireText
+    sampling: _WireSampling
+    prompt_token_ids: msgspec.Raw
+    response_token_ids: msgspec.Raw
+    prompt_text: str | None = None
+    response_text: str | None = None
+    spec: _WireSpec
+    finish_reason: Literal["stop", "length", "abort", "error"]
+
+    def __post_init__(self) -> None:
+        if self.finished_at < self.created_at:
+            raise ValueError("finished_at is before created_at")
+
+
+assert _WireTrace.__struct_fields__ == tuple(Trace.model_fields), "wire mirror and Trace fields diverged"
+assert _WireSampling.__struct_fields__ == tuple(SamplingParams.model_fields)
+assert _WireSpec.__struct_fields__ == tuple(SpecStats.model_fields)
+_WIRE = msgspec.json.Decoder(_WireTrace)
+# Valid JSON (msgspec checked it) holding only these bytes between its brackets is a list of integers.
+_INTEGER_LIST_BYTES = b"0123456789,- \t\n\r"
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRow:
+    """A valid v1 trace as the sink holds it: every field but the token ids on `fields` (read by
+    attribute, as on `Trace`), the token ids as int32 arrays."""
+
+    fields: Trace | _WireTrace
+    prompt_token_ids: np.ndarray  # [P] int32
+    response_token_ids: np.ndarray  # [R] int32
+
+    @property
+    def trace_id(self) -> str:
+        return self.fields.trace_id
+
+    @property
+    def hive(self) -> tuple[str, str]:
+        """(base model, UTC day): the hive directory the row belongs in."""
+        return self.fields.base_model, _day(self.fields.created_at)
+
+
+def decode_row(value: bytes | None, max_bytes: int) -> TraceRow:
+    """What `decode_trace` accepts, as a `TraceRow`, in a third of its CPU time or less; rejects
+    with its reasons."""
+    _check_size(value, max_bytes)
+    try:
+        wire = _WIRE.decode(value)
+        prompt, response = _token_ids(wire.prompt_token_ids, wire.response_token_ids)
+    except (msgspec.DecodeError, ValueError):
+        trace = decode_trace(value, max_bytes)  # the verdict and the reason are Trace's
+        return TraceRow(trace, np.array(trace.prompt_token_ids, np.int32), np.array(trace.response_token_ids, np.int32))
+    return TraceRow(wire, prompt, response)
+
+
+def _token_ids(prompt: msgspec.Raw, response: msgspec.Raw) -> tuple[np.ndarray, np.ndarray]:
+    """Both raw JSON arrays as int32 ids, or ValueError (a non-integer, out of range, no prompt).
+
+    One numpy parse for both lists: numpy's fixed cost per call is most of the time for short
+    traces (64+64 tokens: 28 us per `decode_row` with a parse per list, 16 us with one).
+    """
+    texts = (_list_body(prompt), _list_body(response))
+    counts = [body.count(b",") + 1 if body.strip() else 0 for body in texts]
+    if counts[0] < 1:
+        raise ValueError("prompt_token_ids: empty")
+    ids = np.fromstring(b",".join(t for t, n in zip(texts, counts) if n), dtype=np.int64, sep=",")  # [P + R]
+    # Saturates past int64, so the range check below still catches it. Without a minus sign
+    # nothing is negative, which saves a reduction.
+    negative = any(b"-" in body for body in texts) and ids.min() < 0
+    if len(ids) != sum(counts) or ids.max() >= _TOKEN_LIMIT or negative:
+        raise ValueError("token ids: out of range")
+    ids32 = ids.astype(np.int32)
+    return ids32[: counts[0]], ids32[counts[0] :]
+
+
+def _list_body(raw: msgspec.Raw) -> bytes:
+    """What is between the brackets of a JSON array holding only integers; ValueError otherwise."""
+    text = bytes(raw)
+    if text[:1] != b"[" or text[1:-1].translate(None, _INTEGER_LIST_BYTES):
+        raise ValueError("token ids: not a list of integers")
+    return text[1:-1]
+
+
 def trace_day(trace: Trace) -> str:
     """The `dt=` hive partition of a trace: the UTC date it was created."""
-    return trace.created_at.astimezone(UTC).strftime("%Y-%m-%d")
+    return _day(trace.created_at)
+
+
+def _day(created_at: datetime) -> str:
+    return created_at.astimezone(UTC).strftime("%Y-%m-%d")

@@ -24,11 +24,13 @@ never stop the sink (delivery there is at least once).
 The client is confluent-kafka (librdkafka): its fetching and decompression run in C threads
 without the GIL. With kafka-python the same loop reached ~3,000 traces/s, its pure-Python record
 unpacking and I/O thread competing with validation for the one interpreter. Validation is one
-`Trace.model_validate_json` per record: bulk `TypeAdapter(list[Trace]).validate_json` measured no
-faster (161 vs 137 us per 256+256-token trace) and a bad record would fail its whole batch; the
-cost is JSON to Python objects (stdlib `json.loads` alone costs as much). Arrow's own JSON reader
-would skip those objects, but on untrusted bytes it is unusable: pyarrow 25 segfaults on a `null`
-line and reads `{..}{..}` on one line as two rows.
+`decode_row` per record (`Trace`'s rules, token ids parsed by numpy into int32 arrays, see
+`storage.schema`), then `rows_to_arrow` per chunk. Per 256+256-token trace these took 30 + 8 us
+of CPU where `Trace.model_validate_json` and Arrow from its Python lists took 54 + 28 us; per
+512+512-token trace 46 + 10 us against 90 + 50 us (benchmarks/sink_throughput.py stages, one
+short run, load average 2.5). Arrow's own JSON reader would be faster still, but on untrusted
+bytes it is unusable: pyarrow 25 segfaults on a `null` line and reads `{..}{..}` on one line as
+two rows.
 
 This module is not the schema (`storage.schema`) or the layout rules (`storage.layout`); one sink
 process per partition at a time is assumed (the consumer group provides it).
@@ -50,7 +52,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from pydantic import BaseModel, ConfigDict, Field
 
 from storage.layout import hive_dir, remove_durably, sink_file_name, sink_files, write_parquet_atomic
-from storage.schema import Trace, TraceRejected, decode_trace, to_arrow, trace_day
+from storage.schema import TraceRejected, TraceRow, decode_row, rows_to_arrow
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +83,10 @@ class SinkConfig(BaseModel):
     flush_interval_s: Annotated[float, Field(gt=0)] = 30.0
     max_trace_bytes: Annotated[int, Field(ge=1)] = 1024 * 1024
     poll_records: Annotated[int, Field(ge=1)] = 5_000
-    # Traces become Arrow this many at a time while a batch fills, not all at the flush: a whole
-    # batch as Python objects takes ~20 kB per 256+256-token trace (1 GB at 50,000), converted
-    # cache-cold. Per CPU-second, 64+64 tokens: 20-22k traces vs 14-16k; 256+256: 8.5-11.7k vs
-    # 6.7-8.1k (benchmarks/sink_throughput.py, interleaved runs).
+    # Traces become Arrow this many at a time while a batch fills, not all at the flush, so a
+    # batch is not held as many small Python objects and converted cache-cold. With traces as
+    # pydantic models this measured, per CPU-second, 64+64 tokens: 20-22k traces vs 14-16k;
+    # 256+256: 8.5-11.7k vs 6.7-8.1k (benchmarks/sink_throughput.py, interleaved runs).
     arrow_chunk_traces: Annotated[int, Field(ge=1)] = 200
     kafka_config: dict[str, str | int | float | bool] = Field(default_factory=dict)
 
@@ -96,7 +98,7 @@ _Hive = tuple[str, str]  # (base_model, day): one hive directory
 class _Pending:
     """A validated trace not yet in Arrow, with what a dead letter of it needs."""
 
-    trace: Trace
+    row: TraceRow
     offset: int
     key: bytes | None
     value: bytes
@@ -180,18 +182,18 @@ class TraceSink:
         batch.next_offset = offset + 1
         value = message.value()
         try:
-            trace = decode_trace(value, self.config.max_trace_bytes)
+            row = decode_row(value, self.config.max_trace_bytes)
         except TraceRejected as rejected:
             self._send_dead_letter(source, offset, message.key(), value, rejected.reason)
             return
-        if trace.trace_id in batch.seen:
+        if row.trace_id in batch.seen:
             self._metrics.duplicates.inc()
             return
-        batch.seen.add(trace.trace_id)
+        batch.seen.add(row.trace_id)
         batch.nbytes += len(value)
-        hive = (trace.base_model, trace_day(trace))
+        hive = row.hive
         pending = batch.pending[hive]
-        pending.append(_Pending(trace, offset, message.key(), value))
+        pending.append(_Pending(row, offset, message.key(), value))
         if len(pending) >= self.config.arrow_chunk_traces:
             self._to_arrow(source, batch, hive)
 
@@ -199,22 +201,22 @@ class TraceSink:
         """Move one directory's pending traces into an Arrow table."""
         entries = batch.pending.pop(hive)
         try:
-            table = to_arrow([entry.trace for entry in entries])
+            table = rows_to_arrow([entry.row for entry in entries])
         except (pa.ArrowException, OverflowError):
-            table = to_arrow(self._representable(source, entries))
+            table = rows_to_arrow(self._representable(source, entries))
         if table.num_rows:
             batch.tables[hive].append(table)
 
-    def _representable(self, source: Partition, entries: list[_Pending]) -> list[Trace]:
+    def _representable(self, source: Partition, entries: list[_Pending]) -> list[TraceRow]:
         """The traces Arrow can hold; the others (valid v1, but e.g. a top_k past int32) are dead-lettered."""
         kept = []
         for entry in entries:
             try:
-                to_arrow([entry.trace])
+                rows_to_arrow([entry.row])
             except (pa.ArrowException, OverflowError) as error:
                 self._send_dead_letter(source, entry.offset, entry.key, entry.value, f"unrepresentable: {error}")
             else:
-                kept.append(entry.trace)
+                kept.append(entry.row)
         return kept
 
     def _send_dead_letter(
