@@ -56,14 +56,14 @@ def generate(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if dtype not in ("float32", "bfloat16"):
         raise typer.BadParameter(f"--dtype must be float32 or bfloat16, got {dtype!r}")
-    if concurrency < 1 or max_tokens < 1:
-        raise typer.BadParameter("--concurrency and --max-tokens must be >= 1")
+    if concurrency < 1 or max_tokens < 1 or chunk < 1:
+        raise typer.BadParameter("--concurrency, --max-tokens and --chunk must be >= 1")
+    if source == "file" and prompts_file is None:
+        raise typer.BadParameter("--source file needs --prompts-file")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     loaded = load_model(model, getattr(torch, dtype), device)
     max_len = min(max_len, loaded.model.config.max_position)
     optimize_for_cpu_inference(loaded.model)
-    if source == "file" and prompts_file is None:
-        raise typer.BadParameter("--source file needs --prompts-file")
     if source == "humaneval":
         prompts = humaneval_prompts()
     elif source == "evals":
@@ -74,8 +74,6 @@ def generate(
     ids = [p for p in ids if len(p) + max_tokens <= max_len][:limit]
     if not ids:
         raise typer.BadParameter("no prompt fits --max-len with --max-tokens")
-    if chunk < 1:
-        raise typer.BadParameter("--chunk must be >= 1")
     out.mkdir(parents=True, exist_ok=True)
     files = (out / "train.jsonl", out / "heldout.jsonl")
     done = _answered(files) if resume else set()
