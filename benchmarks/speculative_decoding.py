@@ -154,15 +154,6 @@ def _until_eos(tokens: list[int], eos: tuple[int, ...], n: int) -> list[int]:
     return tokens[:n]
 
 
-def _pooled(stats: list[SpecStats]) -> SpecStats:
-    total = SpecStats()
-    for s in stats:
-        total.drafts += s.drafts
-        total.draft_tokens += s.draft_tokens
-        total.accepted_tokens += s.accepted_tokens
-    return total
-
-
 @dataclass
 class Tally:
     """One system's measurements across rounds; outputs and counters come from the first round."""
@@ -204,7 +195,7 @@ def rows_from(tallies: dict[str, Tally], blocks: dict[str, int | None]) -> list[
     for name, t in tallies.items():
         tok_s = statistics.median(t.tok_s)
         same = sum(a == b for a, b in zip(t.outputs, plain.outputs, strict=True))
-        pooled = _pooled(t.stats) if t.stats else None
+        pooled = SpecStats.pooled(t.stats) if t.stats else None
         rate = pooled.accepted_tokens / pooled.draft_tokens if pooled and pooled.draft_tokens else None
         rows.append(Row(name, blocks[name], tok_s, tok_s / base, pooled.mean_accepted_length if pooled else None,
                         rate, f"{same}/{len(plain.outputs)}"))

@@ -235,6 +235,7 @@ class Trainer:
         self.best_loss: float | None = None
         self.best_state: dict[str, torch.Tensor] | None = None
         self.history: list[dict] = []
+        self._order: tuple[int, list[int]] = (-1, [])  # (epoch, its sequence order)
         self.features: dict[int, list[torch.Tensor]] = {}
         self.feature_bytes = 0
         self.out = Path(cfg.out_dir)
@@ -243,11 +244,7 @@ class Trainer:
 
     def _batch(self, step: int) -> Batch:
         n, bs = len(self.train_set), self.cfg.batch_size
-        idx = []
-        for i in range(step * bs, step * bs + bs):
-            epoch, j = divmod(i, n)
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 100_003 + epoch))
-            idx.append(int(perm[j]))
+        idx = [self._epoch_order(i // n)[i % n] for i in range(step * bs, step * bs + bs)]
         batch = Batch.of([self.train_set[i] for i in idx], self.cfg.max_seq_len, self.device)
         return self._with_cached_taps(batch, idx)
 
@@ -309,8 +306,15 @@ class Trainer:
         epochs, rest = divmod(self.step * bs, n)
         if not rest:
             return epochs * per_epoch
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.cfg.seed * 100_003 + epochs))
-        return epochs * per_epoch + sum(len(self.train_set[int(i)].response) for i in perm[:rest])
+        return epochs * per_epoch + sum(len(self.train_set[i].response) for i in self._epoch_order(epochs)[:rest])
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        """The training sequences' order in `epoch`: a function of the seed and the epoch only, so a
+        resumed run repeats the same batches. The last epoch's order is kept, not redrawn per item."""
+        if self._order[0] != epoch:
+            gen = torch.Generator().manual_seed(self.cfg.seed * 100_003 + epoch)
+            self._order = (epoch, torch.randperm(len(self.train_set), generator=gen).tolist())
+        return self._order[1]
 
     def heldout_tau(self) -> float:
         """τ of greedy speculative decoding replayed over the held-out split with the current weights."""

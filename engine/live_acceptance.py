@@ -17,7 +17,7 @@ import time
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.model import Transformer
 from engine.proposer import Proposer
-from engine.sequence import SamplingParams
+from engine.sequence import SamplingParams, SpecStats
 from engine.training_data import TokenSequence
 
 
@@ -35,19 +35,13 @@ def generate_stats(target: Transformer, proposer: Proposer, sequences: list[Toke
     started = time.perf_counter()
     out = engine.generate([list(s.prompt) for s in seqs], params)
     seconds = time.perf_counter() - started
-    k = proposer.num_drafts
-    per_position = [0] * k
-    drafts = accepted = 0
-    for seq in out:
-        drafts += seq.spec.drafts
-        accepted += seq.spec.accepted_tokens
-        for i, a in enumerate(seq.spec.accepted_per_position):
-            per_position[i] += a
+    spec = SpecStats.pooled(seq.spec for seq in out)
+    per_position = spec.accepted_per_position + [0] * (proposer.num_drafts - len(spec.accepted_per_position))
     tokens = sum(len(seq.output_ids) for seq in out)
     return {
-        "tau": 1.0 + accepted / drafts if drafts else 1.0,
-        "per_position_acceptance": [a / drafts if drafts else 0.0 for a in per_position],
-        "verify_steps": drafts, "accepted_draft_tokens": accepted, "generated_tokens": tokens,
+        "tau": spec.mean_accepted_length,
+        "per_position_acceptance": [a / spec.drafts if spec.drafts else 0.0 for a in per_position],
+        "verify_steps": spec.drafts, "accepted_draft_tokens": spec.accepted_tokens, "generated_tokens": tokens,
         "identical_to_stored": sum(list(seq.output_ids) == list(s.response) for seq, s in zip(out, seqs)),
         "sequences": len(seqs), "concurrency": engine.config.num_slots,
         "seconds": round(seconds, 2), "tokens_per_second": round(tokens / seconds, 1),

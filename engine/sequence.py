@@ -7,6 +7,7 @@ speculation rolls back.
 
 import enum
 import itertools
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -67,6 +68,21 @@ class SpecStats:
     def mean_accepted_length(self) -> float:
         """τ: tokens committed per verify step, the bonus token included (1 when nothing was drafted)."""
         return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+    @classmethod
+    def pooled(cls, stats: Iterable["SpecStats"]) -> "SpecStats":
+        """The counters of many sequences summed, per position included (τ pooled over all of them)."""
+        total = cls()
+        for s in stats:
+            total.drafts += s.drafts
+            total.draft_tokens += s.draft_tokens
+            total.accepted_tokens += s.accepted_tokens
+            if len(total.accepted_per_position) < len(s.accepted_per_position):
+                missing = len(s.accepted_per_position) - len(total.accepted_per_position)
+                total.accepted_per_position.extend([0] * missing)
+            for i, a in enumerate(s.accepted_per_position):
+                total.accepted_per_position[i] += a
+        return total
 
 
 @dataclass

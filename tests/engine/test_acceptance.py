@@ -10,7 +10,7 @@ from engine.live_acceptance import generate_stats
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.ngram import NgramProposer
 from engine.proposer import CombinedProposer, StatelessProposer
-from engine.sequence import SamplingParams
+from engine.sequence import SamplingParams, SpecStats
 from engine.training_data import TokenSequence
 from tests.engine.dflash_helpers import tiny_drafter, tiny_target
 
@@ -98,3 +98,14 @@ def test_compare_adds_real_generation_per_contender() -> None:
     report = compare(target, "fp", seqs, [], ngram_block_size=4, live_concurrency=1)
     [ngram] = report["results"]
     assert ngram["generation"]["identical_to_stored"] == 1 and ngram["generation"]["tau"] >= 1.0
+
+
+def test_pooled_spec_stats_sum_counters_and_positions() -> None:
+    a, b = SpecStats(), SpecStats()
+    a.record(3, 2)
+    b.record(5, 4)
+    b.record(5, 0)
+    pooled = SpecStats.pooled([a, b])
+    assert (pooled.drafts, pooled.draft_tokens, pooled.accepted_tokens) == (3, 13, 6)
+    assert pooled.accepted_per_position == [2, 2, 1, 1, 0]
+    assert pooled.mean_accepted_length == 3.0
