@@ -40,9 +40,7 @@ import json
 import os
 import platform
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,11 +52,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from storage.broker import EmbeddedBroker, ensure_topics, free_port
+from storage.broker import EmbeddedBroker, ensure_topics
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests` is not an installed package
+from benchmarks.server_process import Server, server_process  # noqa: E402
 from tests.engine.conftest import write_tiny_hf_model  # noqa: E402
-from tests.integration.conftest import wait_ready  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "capture_latency.json"
 KEY = "bench-key-0123456789abcdef"
@@ -82,7 +80,6 @@ PROMPTS = [  # ordinary requests without PII, so every one is captured
     "Name a famous bridge in San Francisco.",
     "Write one sentence about autumn leaves.",
 ]
-_READY_S = 180
 
 
 ARMS = ("on", "off")
@@ -128,34 +125,13 @@ class Row:
     sent: float
 
 
-@dataclass(frozen=True)
-class Server:
-    url: str
-    pid: int
-
-    def cpu_s(self) -> float:
-        """User + system CPU seconds of the process so far, all threads (from /proc)."""
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 @contextmanager
 def server(model: list[str], data_dir: Path, log: Path, kafka: str | None) -> Iterator[Server]:
-    """A `specloop serve` process, yielded once ready; SIGTERMed on exit."""
-    port = free_port()
-    command = [str(Path(sys.executable).parent / "specloop"), "serve", "--port", str(port), "--log-level", "warning"]
-    command += model
-    command += ["--kafka-bootstrap", kafka] if kafka else []
-    env = {**os.environ, "SPECLOOP_DATA_DIR": str(data_dir), "SPECLOOP_TENANTS_FILE": str(data_dir / "tenants.yaml")}
-    with open(log, "wb") as out:
-        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            wait_ready(url, process, log, _READY_S)
-            yield Server(url, process.pid)
-        finally:
-            process.send_signal(signal.SIGTERM)
-            process.wait(60)
+    """A `specloop serve` process for `model`, capturing to `kafka` when given."""
+    args = ["--log-level", "warning", *model, *(["--kafka-bootstrap", kafka] if kafka else [])]
+    env = {"SPECLOOP_DATA_DIR": str(data_dir), "SPECLOOP_TENANTS_FILE": str(data_dir / "tenants.yaml")}
+    with server_process(args, log, env) as running:
+        yield running
 
 
 def _request(client: httpx.Client, url: str, key: str, model: str, prompt: str, max_tokens: int) -> float:

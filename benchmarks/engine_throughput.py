@@ -13,8 +13,10 @@ same arithmetic on the same numbers.
 Every column is the median over `--repeats` rounds, and each round measures every system in turn,
 so load from other processes on a shared machine falls on all of them alike.
 
-Our engine is measured directly (`LLMEngine.generate`) and, unless `--no-http`, through the real
-server (uvicorn, `/v1/completions`, one HTTP client thread per request).
+Our engine is measured directly (`LLMEngine.generate`) and, unless `--no-http`, through the real server
+as users run it: a `specloop serve` process (uvicorn, `/v1/completions`, one HTTP client thread per
+request). It has its own process because a server thread in this one would give libgomp a second
+thread team and slow every system measured here (engine/torch_thread.py).
 
 llama.cpp (`llama_cpp`, on the GGUF's own Q4_1 weights) is added as a reference column, batch 1
 only, when it is installed; it is not a dependency. Writes `benchmarks/results/engine_throughput.json`
@@ -29,6 +31,8 @@ import json
 import os
 import platform
 import statistics
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -40,16 +44,15 @@ import httpx
 import torch
 
 from engine.llm_engine import EngineConfig, LLMEngine
-from engine.api import build_app
-from engine.fingerprint import base_model_fingerprint
 from engine.cpu_linear import optimize_for_cpu_inference
-from engine.loading import LoadedModel, build_model, default_model_path, read_checkpoint
+from engine.loading import build_model, default_model_path, read_checkpoint
 from engine.model import Transformer
 from engine.sequence import SamplingParams
-from engine.server_thread import serve_in_thread
-from engine.settings import ServerSettings
 from engine.tokenizer import Tokenizer
 from engine.transformers_reference import transformers_llama
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is not an installed package
+from benchmarks.server_process import server_process  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "engine_throughput.json"
 QUESTIONS = [
@@ -120,23 +123,22 @@ def engine_runner(model: Transformer, eos: tuple[int, ...]) -> Runner:
 
 
 @contextmanager
-def http_runner(loaded: LoadedModel) -> Iterator[Runner]:
-    """Our engine behind the real server: uvicorn, the OpenAI API, JSON, detokenization."""
-    settings = ServerSettings(num_slots=CONCURRENCY, max_len=1024)
-    engine = LLMEngine(loaded.model, settings.engine_config(), loaded.tokenizer.eos_token_ids)
-    with serve_in_thread(build_app(loaded, engine, settings)) as url, httpx.Client(timeout=600) as client:
+def http_runner(dtype: str, log: Path) -> Iterator[Runner]:
+    """Our engine as users run it: a `specloop serve` process (uvicorn, the OpenAI API, JSON, detokenization)."""
+    args = ["--dtype", dtype, "--num-slots", str(CONCURRENCY), "--max-len", "1024", "--log-level", "warning"]
+    env = {"OMP_NUM_THREADS": str(torch.get_num_threads())}
+    with server_process(args, log, env) as server, httpx.Client(timeout=600) as client:
+        model = client.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+
         def one(prompt: list[int], n: int) -> None:
-            body = {"model": loaded.name, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
-            assert client.post(f"{url}/v1/completions", json=body).json()["usage"]["completion_tokens"] == n
+            body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+            assert client.post(f"{server.url}/v1/completions", json=body).json()["usage"]["completion_tokens"] == n
 
         def run(batch: list[list[int]], n: int) -> None:
             with ThreadPoolExecutor(len(batch)) as pool:
                 list(pool.map(lambda p: one(p, n), batch))
 
         yield run
-
-
-# ---------------------------------------------------------------------------------------- transformers
 
 
 def transformers_runner(model: torch.nn.Module, pad_id: int) -> Runner:
@@ -191,7 +193,6 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     _, ckpt = read_checkpoint(gguf)
     prompts = chat_prompts(ckpt.tokenizer)
-    fingerprint = base_model_fingerprint(ckpt.weights_digest, ckpt.config, ckpt.tokenizer)
 
     runners: dict[tuple[str, str], Runner] = {}
     batch1_only = set()
@@ -200,8 +201,8 @@ def main() -> None:
             ours = optimize_for_cpu_inference(build_model(ckpt, dtype, device))
             runners[("specloop", name)] = engine_runner(ours, ckpt.tokenizer.eos_token_ids)
             if args.http:
-                loaded = LoadedModel(ours, ckpt.tokenizer, fingerprint, ckpt.name, gguf)
-                runners[("specloop HTTP", name)] = stack.enter_context(http_runner(loaded))
+                log = stack.enter_context(tempfile.TemporaryDirectory())
+                runners[("specloop HTTP", name)] = stack.enter_context(http_runner(name, Path(log) / "serve.log"))
             hf = transformers_llama(ckpt, dtype, device)
             runners[("transformers", name)] = transformers_runner(hf, ckpt.tokenizer.eos_token_ids[0])
         if importlib.util.find_spec("llama_cpp") is not None:

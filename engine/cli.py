@@ -97,14 +97,22 @@ def build_server(settings: ServerSettings) -> tuple["FastAPI", "LoadedModel"]:
     from engine.cpu_linear import optimize_for_cpu_inference
     from engine.llm_engine import LLMEngine
     from engine.loading import load_model
+    from engine.torch_thread import TorchThread
 
     consent = _consent_settings()
     device, dtype = settings.torch_device(), settings.torch_dtype()
     log.info("loading %s as %s on %s", settings.model or "the default SmolLM2 GGUF", settings.dtype, device)
-    loaded = load_model(settings.model, dtype, device)
-    optimize_for_cpu_inference(loaded.model)
-    proposer = _proposer(settings, loaded)
-    engine = LLMEngine(loaded.model, settings.engine_config(), loaded.tokenizer.eos_token_ids, proposer)
+
+    def load() -> tuple["LoadedModel", "LLMEngine"]:
+        loaded = load_model(settings.model, dtype, device)
+        optimize_for_cpu_inference(loaded.model)
+        engine = LLMEngine(loaded.model, settings.engine_config(), loaded.tokenizer.eos_token_ids,
+                           _proposer(settings, loaded), thread)
+        return loaded, engine
+
+    # The model, its KV cache and the loop all on one thread: see engine/torch_thread.py (98 vs 57 tok/s).
+    thread = TorchThread()
+    loaded, engine = thread.run(load)
     return serving_app(settings, loaded, engine, consent), loaded
 
 

@@ -18,6 +18,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ from engine.sampler import Sampler
 from engine.scheduler import PrefillChunk, Scheduler
 from engine.sequence import SamplingParams, Sequence, Status, TokenDelta
 from engine.speculation import accept_lengths, committed_tokens
+from engine.torch_thread import TorchThread
 
 if TYPE_CHECKING:
     from engine.proposer import Proposer
@@ -69,7 +71,9 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, model: Transformer, config: EngineConfig, eos_token_ids: Seq[int],
-                 proposer: Proposer | None = None) -> None:
+                 proposer: Proposer | None = None, thread: TorchThread | None = None) -> None:
+        """`thread` runs the loop after `start()`: pass the one that built the model and this engine
+        (see `engine/torch_thread.py`); without it, `start()` makes a new one."""
         if config.max_len > model.rope_cos.shape[0]:
             raise ValueError(f"max_len {config.max_len} exceeds the model's {model.rope_cos.shape[0]} positions")
         self.model = model
@@ -85,27 +89,28 @@ class LLMEngine:
         self._sinks: dict[int, Sink] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread = thread
+        self._loop_done: Future | None = None
         self._steps = 0
         self._stats = EngineStats(slots_total=config.num_slots, kv_tokens_total=config.num_slots * config.max_len)
 
     # ----- public API -------------------------------------------------------------------------
 
     def start(self) -> None:
-        assert self._thread is None, "engine already started"
-        self._thread = threading.Thread(target=self._loop, name="specloop-engine", daemon=True)
-        self._thread.start()
+        assert self._loop_done is None, "engine already started"
+        self._thread = self._thread or TorchThread()
+        self._loop_done = self._thread.submit(self._loop)
 
     def stop(self) -> None:
         self._stop.set()
         self._commands.put(("wake",))
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-            self._thread = None
+        if self._loop_done is not None:
+            wait([self._loop_done], timeout=30)
+            self._loop_done = None
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._loop_done is not None and not self._loop_done.done()
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -140,7 +145,7 @@ class LLMEngine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
         """Run prompts to completion on the calling thread (the engine thread must not be running)."""
-        assert self._thread is None, "generate() runs the loop itself; do not start() the engine"
+        assert self._loop_done is None, "generate() runs the loop itself; do not start() the engine"
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         seqs = []
         for prompt, p in zip(prompts, params_list, strict=True):

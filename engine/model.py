@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.attention import attend
 from engine.config import ModelConfig
+from engine.fused_decode import MAX_ROWS as FUSED_MAX_ROWS
 from engine.kv_cache import AttnBatch, KVCache
 from engine.rope import apply_rope, rope_tables
 
@@ -103,6 +104,7 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(config, rope_len or config.max_position, torch.device("cpu"))
         self.register_buffer("rope_cos", cos, persistent=False)  # [T, D] fp32
         self.register_buffer("rope_sin", sin, persistent=False)  # [T, D] fp32
+        self.fused_decoder = None  # set by `engine.fused_decode.attach` for small cached passes on the CPU
 
     @property
     def device(self) -> torch.device:
@@ -120,6 +122,8 @@ class Transformer(nn.Module):
         and attend causally among themselves.
         """
         B, n = tokens.shape
+        if self.fused_decoder is not None and cache is not None and B * n <= FUSED_MAX_ROWS:
+            return self.fused_decoder.forward(self.embed(tokens), cache, batch, taps)
         positions = batch.positions if batch is not None else torch.arange(n, device=tokens.device).expand(B, n)
         assert positions.shape == (B, n)
         cos = self.rope_cos[positions].unsqueeze(1).to(self.dtype)  # [B, 1, n, D]

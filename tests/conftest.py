@@ -16,9 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.cpu_decode import load as load_cpu_kernels
 from storage.broker import EmbeddedBroker, LocalS3
 
 torch.set_num_threads(1)
+# The first build of the C++ CPU kernels takes about 40 s; do it here, outside every test's timeout.
+load_cpu_kernels()
 
 
 @pytest.fixture(scope="session")

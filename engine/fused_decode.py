@@ -1,0 +1,63 @@
+"""The C++ small-batch forward pass (`kernels/cpu_decode.cpp`) attached to a bf16 `Transformer` on the CPU.
+
+Decode steps and short verify blocks feed a few rows through the model; there the eager path pays
+per-op dispatch around every small matrix. Attached, `Transformer.forward` hands passes of at most
+`MAX_ROWS` rows with a KV cache to one C++ call; longer passes (prefill chunks, big batches) stay
+eager, where oneDNN's blocked GEMM reuses each weight across rows.
+
+Measured on SmolLM2-135M (2 cores, bf16, idle machine), one-token decode step: see README
+"Performance". This file is not the kernels (C++) and not the decision to optimise a model for
+the CPU (`engine/cpu_linear.py`); it maps the model's weights onto the kernel's layout.
+"""
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.kv_cache import AttnBatch, KVCache
+from kernels.cpu_decode import load
+
+# Rows per pass up to which the kernel is used. Above it oneDNN's GEMM reads each weight once for
+# many rows and wins; measured crossover: see `small_linear_rows` in cpu_linear.py.
+MAX_ROWS = 16
+
+
+class FusedDecoder:
+    """Holds the kernel's `Decoder` (sharing the model's weight storage) and calls it."""
+
+    def __init__(self, kernel: object, model: torch.nn.Module) -> None:
+        c = model.config
+        empty = torch.empty(0)
+        layers = []
+        for layer in model.layers:
+            a = layer.attn
+            layers.append([
+                layer.input_norm.weight, a.qkv.weight, a.qkv.bias if a.qkv.bias is not None else empty,
+                a.q_norm.weight if a.q_norm is not None else empty, a.k_norm.weight if a.k_norm is not None else empty,
+                a.o.weight, layer.post_norm.weight, layer.mlp.gate_up.weight, layer.mlp.down.weight,
+            ])
+        self.decoder = kernel.Decoder(layers, model.norm.weight, model.rope_cos.float(), model.rope_sin.float(), c.num_heads,
+                                      c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cache: KVCache, batch: AttnBatch,
+                taps: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """x `[B, n, H]` token embeddings → final-normed hidden `[B, n, H]` and tapped layer outputs."""
+        B, n, H = x.shape
+        assert B * n <= MAX_ROWS and batch.size == B and batch.num_new == n
+        hidden, tapped = self.decoder.forward(x.reshape(B * n, H), batch.slots, batch.positions, cache.k, cache.v,
+                                              list(taps))
+        return hidden.view(B, n, H), [t.view(B, n, H) for t in tapped]
+
+
+def supports(model: torch.nn.Module) -> bool:
+    """Whether the kernel can run this model: on the CPU, every matrix's input a multiple of 32."""
+    c = model.config
+    return (model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float32)
+            and all(d % 32 == 0 for d in (c.hidden_size, c.q_size, c.intermediate_size)))
+
+
+def attach(model: torch.nn.Module) -> bool:
+    """Give `model` a `FusedDecoder` when the kernels load and fit it; True if attached."""
+    kernel = load() if supports(model) else None
+    model.fused_decoder = FusedDecoder(kernel, model) if kernel is not None else None
+    return model.fused_decoder is not None

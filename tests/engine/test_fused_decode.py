@@ -1,0 +1,107 @@
+"""The fused C++ forward pass against the eager model: tiny random Llama, Qwen2 and Qwen3, bf16 and fp32.
+
+Checks what the engine relies on: hidden states, taps and cache contents agree with an fp32
+reference (same rounded weights) within a tolerance per dtype across decode, multi-token blocks, scattered
+slots and ragged starts; a row's result does not depend on the rest of its batch; and greedy
+speculation stays token-identical to plain decoding with the kernel in the loop.
+"""
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import ModelConfig
+from engine.cpu_linear import optimize_for_cpu_inference
+from engine.fused_decode import MAX_ROWS, supports
+from engine.kv_cache import AttnBatch, KVCache
+from engine.llm_engine import EngineConfig, LLMEngine
+from engine.loading import load_model
+from engine.model import Transformer
+from engine.ngram import NgramProposer
+from engine.sampler import SamplingParams
+from kernels.cpu_decode import load
+
+pytestmark = pytest.mark.skipif(load() is None, reason="CPU decode kernels need AVX-512 BF16 and a compiler")
+
+MAX_LEN = 64
+# (slots, starts, new tokens per sequence): prefill-sized blocks, decode, ragged starts, scattered slots.
+PASSES = [([2, 0], [0, 0], 7), ([2, 0], [7, 7], 1), ([1], [0], 5), ([0, 1, 2], [8, 5, 8], 1),
+          ([2, 1], [9, 6], 4)]
+
+
+TOLERANCE = {torch.bfloat16: 3e-2, torch.float32: 1e-4}  # of the reference's largest magnitude
+
+
+def fused_and_reference(path: Path, dtype: torch.dtype = torch.bfloat16) -> tuple[Transformer, Transformer]:
+    """The model in `dtype` with the kernel attached, and an eager fp32 copy of the same (rounded) weights."""
+    fused = optimize_for_cpu_inference(load_model(path, dtype, torch.device("cpu")).model)
+    assert fused.fused_decoder is not None
+    reference = copy.deepcopy(load_model(path, dtype, torch.device("cpu")).model).float()
+    return fused, reference
+
+
+def run_passes(model: Transformer, tokens: torch.Tensor) -> tuple[list[torch.Tensor], list[list[torch.Tensor]], KVCache]:
+    cache = KVCache(model.config, 3, MAX_LEN, torch.float32, torch.device("cpu"))
+    hidden, taps = [], []
+    with torch.inference_mode():
+        for i, (slots, starts, n) in enumerate(PASSES):
+            batch = AttnBatch.build(slots, starts, n, torch.device("cpu"), MAX_LEN)
+            h, t = model(tokens[i, :len(slots), :n], cache, batch, taps=(0, 1))
+            hidden.append(h.float())
+            taps.append([x.float() for x in t])
+    return hidden, taps, cache
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "llama-rope-yarn"])
+def test_matches_fp32_reference(tiny_hf_model: Callable[[str], Path], kind: str, dtype: torch.dtype) -> None:
+    fused, reference = fused_and_reference(tiny_hf_model(kind), dtype)
+    tokens = torch.randint(0, fused.config.vocab_size, (len(PASSES), 3, 7), generator=torch.Generator().manual_seed(0))
+    got, got_taps, got_cache = run_passes(fused, tokens)
+    want, want_taps, want_cache = run_passes(reference, tokens)
+    for g, w in zip(got + sum(got_taps, []) + [got_cache.k, got_cache.v],
+                    want + sum(want_taps, []) + [want_cache.k, want_cache.v]):
+        assert (g - w).abs().max() <= TOLERANCE[dtype] * w.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_do_not_depend_on_the_batch(tiny_llama_dir: Path, dtype: torch.dtype) -> None:
+    model, _ = fused_and_reference(tiny_llama_dir, dtype)
+    prompt = torch.randint(0, 300, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        alone = KVCache(model.config, 2, MAX_LEN, torch.float32, torch.device("cpu"))
+        together = KVCache(model.config, 2, MAX_LEN, torch.float32, torch.device("cpu"))
+        a, _ = model(prompt[:1], alone, AttnBatch.build([0], [0], 6, torch.device("cpu"), MAX_LEN))
+        b, _ = model(prompt, together, AttnBatch.build([0, 1], [0, 0], 6, torch.device("cpu"), MAX_LEN))
+        assert torch.equal(a[0], b[0])
+        step = prompt[:, -1:]
+        a, _ = model(step[:1], alone, AttnBatch.build([0], [6], 1, torch.device("cpu"), MAX_LEN))
+        b, _ = model(step, together, AttnBatch.build([0, 1], [6, 6], 1, torch.device("cpu"), MAX_LEN))
+        assert torch.equal(a[0], b[0])
+
+
+def test_greedy_speculation_is_lossless_in_bf16(tiny_llama_dir: Path) -> None:
+    model, _ = fused_and_reference(tiny_llama_dir)
+    g = torch.Generator().manual_seed(2)
+    # Repetitive prompts so that n-gram drafts get accepted and rollback paths run.
+    prompts = [(torch.randint(0, 300, (4,), generator=g).tolist() * 4)[:14] for _ in range(3)]
+    greedy = SamplingParams(max_tokens=20, temperature=0.0)
+    plain = [s.output_ids for s in LLMEngine(model, EngineConfig(num_slots=3, max_len=MAX_LEN), []).generate(prompts, greedy)]
+    spec = LLMEngine(model, EngineConfig(num_slots=3, max_len=MAX_LEN), [], proposer=NgramProposer(block_size=4))
+    out = spec.generate(prompts, greedy)
+    assert [s.output_ids for s in out] == plain
+    assert sum(s.spec.accepted_tokens for s in out) > 0
+    assert 3 * 4 <= MAX_ROWS  # every verify pass above ran through the kernel
+
+
+def test_attaches_only_where_it_applies(tiny_llama_dir: Path) -> None:
+    unaligned = ModelConfig(arch="llama", vocab_size=64, hidden_size=48, intermediate_size=64, num_layers=1,
+                            num_heads=4, num_kv_heads=2, head_dim=12, max_position=64)
+    assert not supports(Transformer(unaligned).to(torch.bfloat16))
+    assert optimize_for_cpu_inference(Transformer(unaligned).eval().requires_grad_(False)).fused_decoder is None
+    model = load_model(tiny_llama_dir, torch.bfloat16, torch.device("cpu")).model
+    assert supports(model)
+    assert optimize_for_cpu_inference(model, fused=False).fused_decoder is None
