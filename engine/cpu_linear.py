@@ -40,6 +40,7 @@ class CpuLinear(nn.Module):
         self.dtype = w.dtype
         self.kernel = load() if w.shape[1] % 32 == 0 else None
         self._weight, self.weight_t, self.packed = w, None, None
+        self._tiles = None  # the kernel's layout, made on the first small pass (see `forward`)
         if w.dtype != torch.float32:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
         elif self.kernel is None:
@@ -51,7 +52,11 @@ class CpuLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.numel() <= SMALL_ROWS * x.shape[-1]:
-            return self.kernel.linear(x, self._weight, self.bias)
+            # Packed on first use: the layers the fused pass covers (engine/fused_decode.py) never
+            # see a small pass, so they never hold this extra copy.
+            if self._tiles is None:
+                self._tiles = self.kernel.pack(self._weight)
+            return self.kernel.linear(x, self._tiles, self._weight.shape[0], self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.weight_t is not None:

@@ -66,92 +66,97 @@ float exp_scalar(float x) {
 }
 
 // ---- matrix rows: y[m, o] = sum_i x[m, i] * w[o, i] -------------------------------------------
+//
+// Weights are packed once into tiles of 4 output rows laid side by side, 64 bytes (one vector) of
+// each row at a time: `pack` turns [out, in] into [ceil(out / 4), in / V, 4, V] (V = 32 bf16 or 16
+// fp32, rows past `out` zero). A tile is then one sequential read, and each x vector loaded serves
+// four weight vectors. Measured on SmolLM2's layer matrices (2 cores, bf16), against row-major
+// weights read one row at a time: XX.
 
-// G rows of x against output rows [o0, o1) of w. One weight row at a time: reading two rows
-// side by side (two streams) cost 1.5x at one row per pass here. Two accumulators per row (even
-// and odd chunks) whatever G is, so each sum is formed in the same order in every batch size.
-template <int G>
-void dot_rows(const bf16* w, const bf16* x, float* y, int64_t in, int64_t out, int64_t o0, int64_t o1) {
-  const int64_t chunks = in / 32;
-  for (int64_t o = o0; o < o1; ++o) {
-    const bf16* wo = w + o * in;
-    __m512 acc[G][2];
-    for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
-    int64_t c = 0;
-    for (; c + 2 <= chunks; c += 2) {
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wo + c * 32);
-      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wo + c * 32 + 32);
-      for (int g = 0; g < G; ++g) {
-        acc[g][0] = _mm512_dpbf16_ps(acc[g][0], w0, (__m512bh)_mm512_loadu_si512(x + g * in + c * 32));
-        acc[g][1] = _mm512_dpbf16_ps(acc[g][1], w1, (__m512bh)_mm512_loadu_si512(x + g * in + c * 32 + 32));
-      }
-    }
-    if (c < chunks) {
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wo + c * 32);
-      for (int g = 0; g < G; ++g)
-        acc[g][0] = _mm512_dpbf16_ps(acc[g][0], w0, (__m512bh)_mm512_loadu_si512(x + g * in + c * 32));
-    }
-    for (int g = 0; g < G; ++g) y[g * out + o] = _mm512_reduce_add_ps(_mm512_add_ps(acc[g][0], acc[g][1]));
-  }
+constexpr int64_t TILE = 4;
+
+inline __m512 madd(__m512 acc, const bf16* w, const bf16* x) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w), (__m512bh)_mm512_loadu_si512(x));
+}
+inline __m512 madd(__m512 acc, const float* w, const float* x) {
+  return _mm512_fmadd_ps(_mm512_loadu_ps(w), _mm512_loadu_ps(x), acc);
 }
 
-template <int G>
-void dot_rows(const float* w, const float* x, float* y, int64_t in, int64_t out, int64_t o0, int64_t o1) {
-  const int64_t chunks = in / 16;
-  for (int64_t o = o0; o < o1; ++o) {
-    const float* wo = w + o * in;
-    __m512 acc[G][2];
-    for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm512_setzero_ps();
-    int64_t c = 0;
-    for (; c + 2 <= chunks; c += 2) {
-      const __m512 w0 = _mm512_loadu_ps(wo + c * 16), w1 = _mm512_loadu_ps(wo + c * 16 + 16);
-      for (int g = 0; g < G; ++g) {
-        acc[g][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + g * in + c * 16), acc[g][0]);
-        acc[g][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + g * in + c * 16 + 16), acc[g][1]);
-      }
+// G rows of x against one tile. One accumulator per (row, output), summed over the vectors in
+// order, so each output is formed the same way whatever G is: a token's result does not depend on
+// what else is in its pass.
+template <int G, typename T>
+void tile_rows(const T* tile, const T* x, float* y, int64_t in, int64_t out, int64_t first) {
+  constexpr int64_t V = 64 / sizeof(T);
+  __m512 acc[G][TILE];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < TILE; ++j) acc[g][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < in / V; ++c) {
+    const T* wc = tile + c * TILE * V;
+    for (int g = 0; g < G; ++g) {
+      const T* xc = x + g * in + c * V;
+      for (int j = 0; j < TILE; ++j) acc[g][j] = madd(acc[g][j], wc + j * V, xc);
     }
-    if (c < chunks)
-      for (int g = 0; g < G; ++g)
-        acc[g][0] = _mm512_fmadd_ps(_mm512_loadu_ps(wo + c * 16), _mm512_loadu_ps(x + g * in + c * 16), acc[g][0]);
-    for (int g = 0; g < G; ++g) y[g * out + o] = _mm512_reduce_add_ps(_mm512_add_ps(acc[g][0], acc[g][1]));
   }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < TILE && first + j < out; ++j) y[g * out + first + j] = _mm512_reduce_add_ps(acc[g][j]);
 }
 
-// x [M, in] (the weight's element type) times w [out, in] -> y [M, out] fp32; both threads split
-// the output rows, so each weight is read from memory once per call.
+// x [M, in] (the weight's element type) times packed w -> y [M, out] fp32; both threads split the
+// tiles, so each weight is read from memory once per call.
 template <typename T>
 void matmul_rows(const T* x, const T* w, const float* bias, float* y, int64_t M, int64_t in, int64_t out) {
-  at::parallel_for(0, out, 64, [&](int64_t o0, int64_t o1) {
-    for (int64_t m = 0; m < M; m += 4) {
-      const T* xm = x + m * in;
-      float* ym = y + m * out;
-      switch (std::min<int64_t>(4, M - m)) {
-        case 4: dot_rows<4>(w, xm, ym, in, out, o0, o1); break;
-        case 3: dot_rows<3>(w, xm, ym, in, out, o0, o1); break;
-        case 2: dot_rows<2>(w, xm, ym, in, out, o0, o1); break;
-        default: dot_rows<1>(w, xm, ym, in, out, o0, o1); break;
+  const int64_t tiles = (out + TILE - 1) / TILE;
+  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* tile = w + t * TILE * in;
+      for (int64_t m = 0; m < M; m += 4) {
+        const T* xm = x + m * in;
+        float* ym = y + m * out;
+        switch (std::min<int64_t>(4, M - m)) {
+          case 4: tile_rows<4>(tile, xm, ym, in, out, t * TILE); break;
+          case 3: tile_rows<3>(tile, xm, ym, in, out, t * TILE); break;
+          case 2: tile_rows<2>(tile, xm, ym, in, out, t * TILE); break;
+          default: tile_rows<1>(tile, xm, ym, in, out, t * TILE); break;
+        }
       }
     }
     if (bias != nullptr)
       for (int64_t m = 0; m < M; ++m)
-        for (int64_t o = o0; o < o1; ++o) y[m * out + o] += bias[o];
+        for (int64_t o = t0 * TILE; o < std::min(out, t1 * TILE); ++o) y[m * out + o] += bias[o];
   });
-}
-
-// fp32 activations x [M, in] against a bf16 or fp32 weight. For bf16 weights x is rounded to bf16
-// first (into `xb`), where the eager path's activations are bf16 too.
-void matmul(const float* x, const at::Tensor& w, const float* bias, float* y, int64_t M, std::vector<bf16>& xb) {
-  const int64_t in = w.size(1), out = w.size(0);
-  if (w.scalar_type() == at::kFloat) return matmul_rows(x, w.data_ptr<float>(), bias, y, M, in, out);
-  xb.resize(M * in);
-  round_rows(x, xb.data(), M * in);
-  matmul_rows(xb.data(), reinterpret_cast<const bf16*>(w.data_ptr()), bias, y, M, in, out);
 }
 
 void check_matrix(const at::Tensor& t, at::ScalarType dtype, const char* name) {
   TORCH_CHECK(t.scalar_type() == dtype && (dtype == at::kFloat || dtype == at::kBFloat16) && t.dim() == 2 &&
                   t.is_contiguous() && t.size(1) % 32 == 0,
               name, ": expected a contiguous bf16 or fp32 matrix (the model's dtype) with a multiple of 32 columns");
+}
+
+// A weight packed by `pack`, with its true number of output rows.
+struct Packed {
+  at::Tensor tiles;  // [ceil(out / 4), in / V, 4, V]
+  int64_t out = 0;
+  int64_t in() const { return tiles.size(1) * tiles.size(3); }
+};
+
+Packed pack_matrix(const at::Tensor& w) {
+  check_matrix(w, w.scalar_type(), "weight");
+  const int64_t out = w.size(0), in = w.size(1), v = 64 / w.element_size();
+  const int64_t tiles = (out + TILE - 1) / TILE;
+  auto padded = at::zeros({tiles * TILE, in}, w.options());
+  padded.narrow(0, 0, out).copy_(w);
+  return {padded.view({tiles, TILE, in / v, v}).transpose(1, 2).contiguous(), out};
+}
+
+// fp32 activations x [M, in] against a packed bf16 or fp32 weight. For bf16 weights x is rounded
+// to bf16 first (into `xb`), where the eager path's activations are bf16 too.
+void matmul(const float* x, const Packed& w, const float* bias, float* y, int64_t M, std::vector<bf16>& xb) {
+  const int64_t in = w.in();
+  if (w.tiles.scalar_type() == at::kFloat) return matmul_rows(x, w.tiles.data_ptr<float>(), bias, y, M, in, w.out);
+  xb.resize(M * in);
+  round_rows(x, xb.data(), M * in);
+  matmul_rows(xb.data(), reinterpret_cast<const bf16*>(w.tiles.data_ptr()), bias, y, M, in, w.out);
 }
 
 // ---- the pieces of one layer, all on fp32 rows ------------------------------------------------
@@ -231,16 +236,23 @@ void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
 const float* f32(const at::Tensor& t) { return t.data_ptr<float>(); }
 
 struct Layer {
-  at::Tensor input_norm, qkv, qkv_bias, q_norm, k_norm, o, post_norm, gate_up, down;  // norms fp32
+  at::Tensor input_norm, qkv_bias, q_norm, k_norm, post_norm;  // fp32; bias and QK-norms may be undefined
+  Packed qkv, o, gate_up, down;
 };
 
 }  // namespace
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
-  check_matrix(w, w.scalar_type(), "weight");
-  TORCH_CHECK(x.scalar_type() == w.scalar_type() && x.size(-1) == w.size(1), "x: expected [..., in] in the weight's dtype");
+// `pack` for Python: the tiles of w [out, in]; `linear` needs them and `out`.
+at::Tensor pack(const at::Tensor& w) { return pack_matrix(w).tiles; }
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& tiles, int64_t out, const c10::optional<at::Tensor>& bias) {
+  const Packed w{tiles, out};
+  TORCH_CHECK(tiles.dim() == 4 && tiles.size(2) == TILE && tiles.size(3) * tiles.element_size() == 64 &&
+                  tiles.is_contiguous() && tiles.size(0) == (out + TILE - 1) / TILE,
+              "tiles: expected the output of pack() for a weight with `out` rows");
+  TORCH_CHECK(x.scalar_type() == tiles.scalar_type() && x.size(-1) == w.in(), "x: expected [..., in] in the weight's dtype");
   const auto xf = x.to(at::kFloat).contiguous();
-  const int64_t M = xf.numel() / w.size(1), out = w.size(0);
+  const int64_t M = xf.numel() / w.in();
   at::Tensor b32;
   if (bias.has_value()) b32 = bias->to(at::kFloat).contiguous();
   auto y = at::empty({M, out}, x.options().dtype(at::kFloat));
@@ -266,14 +278,14 @@ class Decoder {
       TORCH_CHECK(t.size() == 9, "a layer is 9 tensors");
       // An empty tensor stands for an absent one (no QKV bias, no QK-norm).
       auto f = [](const at::Tensor& x) { return x.numel() > 0 ? x.to(at::kFloat).contiguous() : at::Tensor(); };
-      Layer l{f(t[0]), t[1], f(t[2]), f(t[3]), f(t[4]), t[5], f(t[6]), t[7], t[8]};
-      for (auto* m : {&l.qkv, &l.o, &l.gate_up, &l.down}) check_matrix(*m, t[1].scalar_type(), "layer matrix");
-      layers_.push_back(l);
+      for (int i : {1, 5, 7, 8}) check_matrix(t[i], t[1].scalar_type(), "layer matrix");
+      layers_.push_back({f(t[0]), f(t[2]), f(t[3]), f(t[4]), f(t[6]), pack_matrix(t[1]), pack_matrix(t[5]),
+                         pack_matrix(t[7]), pack_matrix(t[8])});
     }
-    dtype_ = layers_.at(0).qkv.scalar_type();
+    dtype_ = layers_.at(0).qkv.tiles.scalar_type();
     hidden_ = final_norm_.size(0);
-    inter_ = layers_[0].down.size(1);
-    TORCH_CHECK(layers_[0].qkv.size(0) == (hq_ + 2 * hkv_) * d_, "qkv: rows != (Hq + 2 Hkv) D");
+    inter_ = layers_[0].down.in();
+    TORCH_CHECK(layers_[0].qkv.out == (hq_ + 2 * hkv_) * d_, "qkv: rows != (Hq + 2 Hkv) D");
   }
 
   // x [M, H] (the model's dtype): token embeddings of rows m = b * n + j (n tokens per sequence).
@@ -383,8 +395,9 @@ class Decoder {
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "y = x w^T + b in bf16 for a few rows", pybind11::arg("x"), pybind11::arg("w"),
-        pybind11::arg("bias") = pybind11::none());
+  m.def("pack", &pack, "w [out, in] -> tiles for linear()", pybind11::arg("w"));
+  m.def("linear", &linear, "y = x w^T + b for a few rows, w given as pack(w) and out", pybind11::arg("x"),
+        pybind11::arg("tiles"), pybind11::arg("out"), pybind11::arg("bias") = pybind11::none());
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t,
                           int64_t, double>())

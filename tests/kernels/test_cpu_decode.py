@@ -27,7 +27,7 @@ def test_linear_matches_reference(rows: int, shape: tuple[int, int], bias: bool,
     b = torch.randn(n_out).to(dtype) if bias else None
     x = torch.randn(rows, n_in).to(dtype)
     expected = x.double() @ w.double().T + (b.double() if bias else 0)
-    got = kernel.linear(x, w, b)
+    got = kernel.linear(x, kernel.pack(w), n_out, b)
     assert got.shape == (rows, n_out) and got.dtype == dtype
     assert (got.double() - expected).abs().max() <= TOLERANCE[dtype] * expected.abs().max() + 1e-6
 
@@ -36,15 +36,18 @@ def test_linear_rows_do_not_depend_on_the_batch() -> None:
     torch.manual_seed(0)
     w = torch.randn(300, 576).bfloat16()
     x = torch.randn(11, 576).bfloat16()
-    batched = kernel.linear(x, w)
+    tiles = kernel.pack(w)
+    batched = kernel.linear(x, tiles, 300)
     for i in range(11):
-        assert torch.equal(kernel.linear(x[i:i + 1], w), batched[i:i + 1])
+        assert torch.equal(kernel.linear(x[i:i + 1], tiles, 300), batched[i:i + 1])
 
 
 def test_linear_keeps_leading_dims_and_rejects_bad_shapes() -> None:
-    w = torch.randn(64, 96).bfloat16()
-    assert kernel.linear(torch.randn(2, 3, 96).bfloat16(), w).shape == (2, 3, 64)
+    tiles = kernel.pack(torch.randn(63, 96).bfloat16())
+    assert kernel.linear(torch.randn(2, 3, 96).bfloat16(), tiles, 63).shape == (2, 3, 63)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        kernel.linear(torch.randn(1, 40).bfloat16(), torch.randn(8, 40).bfloat16())
+        kernel.pack(torch.randn(8, 40).bfloat16())
     with pytest.raises(RuntimeError, match="weight's dtype"):
-        kernel.linear(torch.randn(1, 96), w)
+        kernel.linear(torch.randn(1, 96), tiles, 63)
+    with pytest.raises(RuntimeError, match="pack()"):
+        kernel.linear(torch.randn(1, 96).bfloat16(), tiles, 70)
