@@ -1,13 +1,16 @@
-"""The C++ small-batch forward pass (`kernels/cpu_decode.cpp`) attached to a bf16 `Transformer` on the CPU.
+"""The C++ small-batch forward pass (`kernels/cpu_decode.cpp`) attached to a `Transformer` on the CPU.
 
 Decode steps and short verify blocks feed a few rows through the model; there the eager path pays
 per-op dispatch around every small matrix. Attached, `Transformer.forward` hands passes of at most
 `MAX_ROWS` rows with a KV cache to one C++ call; longer passes (prefill chunks, big batches) stay
 eager, where oneDNN's blocked GEMM reuses each weight across rows.
 
-Measured on SmolLM2-135M (2 cores, bf16, idle machine), one-token decode step: see README
-"Performance". This file is not the kernels (C++) and not the decision to optimise a model for
-the CPU (`engine/cpu_linear.py`); it maps the model's weights onto the kernel's layout.
+Measured on SmolLM2-135M (2 cores, bf16, 300-token context), one pass plus the LM head, fused vs
+eager: 1 sequence 9.5 vs 22.5 ms, 8 sequences 19.5 vs 33.0, 16 sequences 34.4 vs 47.7, one sequence
+with a 16-token block 33.8 vs 36.2; at 32 tokens eager won (50.2 vs 60.8).
+
+This file is not the kernels (C++) and not the decision to optimise a model for the CPU
+(`engine/cpu_linear.py`); it hands the model's weights to the kernel, which packs its own copy.
 """
 
 from collections.abc import Sequence
@@ -17,8 +20,8 @@ import torch
 from engine.kv_cache import AttnBatch, KVCache
 from kernels.cpu_decode import load
 
-# Rows per pass up to which the kernel is used. Above it oneDNN's GEMM reads each weight once for
-# many rows and wins; measured crossover: see `small_linear_rows` in cpu_linear.py.
+# Rows per pass up to which the kernel is used. Above it oneDNN's GEMM, which reuses each weight
+# across many rows, wins (see the module docstring).
 MAX_ROWS = 16
 
 

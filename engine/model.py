@@ -119,7 +119,8 @@ class Transformer(nn.Module):
         """Run `tokens` `[B, n]`; return hidden `[B, n, H]` and the outputs of layers in `taps`.
 
         With a cache, `batch` says where each row's tokens go; without one, rows start at position 0
-        and attend causally among themselves.
+        and attend causally among themselves. Small cached passes go to the attached C++ decoder when
+        there is one (`engine/fused_decode.py`); the result is the same up to rounding.
         """
         B, n = tokens.shape
         if self.fused_decoder is not None and cache is not None and B * n <= FUSED_MAX_ROWS:
