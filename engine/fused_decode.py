@@ -1,13 +1,14 @@
 """The C++ small-batch forward pass (`kernels/cpu_decode.cpp`) attached to a `Transformer` on the CPU.
 
 Decode steps and short verify blocks feed a few rows through the model; there the eager path pays
-per-op dispatch around every small matrix. Attached, `Transformer.forward` hands passes of at most
-`MAX_ROWS` rows with a KV cache to one C++ call; longer passes (prefill chunks, big batches) stay
-eager, where oneDNN's blocked GEMM reuses each weight across rows.
+per-op dispatch around every small matrix. Attached, `Transformer.forward` hands such passes with a
+KV cache to one C++ call (`FusedDecoder.accepts`); longer blocks (prefill chunks) stay eager, where
+oneDNN's blocked GEMM reuses each weight across rows.
 
 Measured on SmolLM2-135M (2 cores, bf16, 300-token context), one pass plus the LM head, fused vs
-eager: 1 sequence 9.5 vs 22.5 ms, 8 sequences 19.5 vs 33.0, 16 sequences 34.4 vs 47.7, one sequence
-with a 16-token block 33.8 vs 36.2; at 32 tokens eager won (50.2 vs 60.8).
+eager: 1 sequence 9.5 vs 22.5 ms, 8 sequences 19.5 vs 33.0, 16 sequences 33.1 vs 47.7, 32
+sequences 65.8 vs 81.0, 48 sequences 91.3 vs 121.1; one sequence with a 16-token block 33.8 vs
+36.2, with 24 tokens 46.1 vs 47.6, with 32 tokens eager won (50.2 vs 60.8).
 
 This file is not the kernels (C++) and not the decision to optimise a model for the CPU
 (`engine/cpu_linear.py`); it hands the model's weights to the kernel, which packs its own copy.
@@ -20,9 +21,12 @@ import torch
 from engine.kv_cache import AttnBatch, KVCache
 from kernels.cpu_decode import load
 
-# Rows per pass up to which the kernel is used. Above it oneDNN's GEMM, which reuses each weight
-# across many rows, wins (see the module docstring).
+# Passes the kernel takes: up to MAX_ROWS rows of any shape, and one-token decode steps of up to
+# MAX_DECODE_ROWS sequences. Above that oneDNN's GEMM, which reuses each weight across many rows,
+# wins for blocks; decode steps keep winning at 48 sequences (91 vs 121 ms) because eager attention
+# over many separate contexts is slow.
 MAX_ROWS = 16
+MAX_DECODE_ROWS = 64
 
 
 class FusedDecoder:
@@ -42,11 +46,16 @@ class FusedDecoder:
         self.decoder = kernel.Decoder(layers, model.norm.weight, model.rope_cos.float(), model.rope_sin.float(), c.num_heads,
                                       c.num_kv_heads, c.head_dim, c.rms_norm_eps)
 
+    @staticmethod
+    def accepts(B: int, n: int) -> bool:
+        """Whether a pass of B sequences with n new tokens each runs here (else eager)."""
+        return B * n <= MAX_ROWS or (n == 1 and B <= MAX_DECODE_ROWS)
+
     def forward(self, x: torch.Tensor, cache: KVCache, batch: AttnBatch,
                 taps: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """x `[B, n, H]` token embeddings → final-normed hidden `[B, n, H]` and tapped layer outputs."""
         B, n, H = x.shape
-        assert B * n <= MAX_ROWS and batch.size == B and batch.num_new == n
+        assert self.accepts(B, n) and batch.size == B and batch.num_new == n
         hidden, tapped = self.decoder.forward(x.reshape(B * n, H), batch.slots, batch.positions, cache.k, cache.v,
                                               list(taps))
         return hidden.view(B, n, H), [t.view(B, n, H) for t in tapped]

@@ -16,7 +16,6 @@ from torch import nn
 
 from engine.attention import attend
 from engine.config import ModelConfig
-from engine.fused_decode import MAX_ROWS as FUSED_MAX_ROWS
 from engine.kv_cache import AttnBatch, KVCache
 from engine.rope import apply_rope, rope_tables
 
@@ -123,7 +122,7 @@ class Transformer(nn.Module):
         there is one (`engine/fused_decode.py`); the result is the same up to rounding.
         """
         B, n = tokens.shape
-        if self.fused_decoder is not None and cache is not None and B * n <= FUSED_MAX_ROWS:
+        if self.fused_decoder is not None and cache is not None and self.fused_decoder.accepts(B, n):
             return self.fused_decoder.forward(self.embed(tokens), cache, batch, taps)
         positions = batch.positions if batch is not None else torch.arange(n, device=tokens.device).expand(B, n)
         assert positions.shape == (B, n)

@@ -15,7 +15,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.cpu_linear import optimize_for_cpu_inference
-from engine.fused_decode import MAX_ROWS, supports
+from engine.fused_decode import FusedDecoder, supports
 from engine.kv_cache import AttnBatch, KVCache
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.loading import load_model
@@ -67,6 +67,27 @@ def test_matches_fp32_reference(tiny_hf_model: Callable[[str], Path], kind: str,
         assert (g - w).abs().max() <= TOLERANCE[dtype] * w.abs().max()
 
 
+def test_wide_decode_step_matches_reference(tiny_llama_dir: Path) -> None:
+    fused, reference = fused_and_reference(tiny_llama_dir)
+    B = 20  # more sequences than a block may have rows: decode steps still run in the kernel
+    assert FusedDecoder.accepts(B, 1) and not FusedDecoder.accepts(1, B)
+    g = torch.Generator().manual_seed(3)
+    prompt, step = torch.randint(0, 300, (B, 5), generator=g), torch.randint(0, 300, (B, 1), generator=g)
+    starts = [5] * B
+    got_want = []
+    for model in (fused, reference):
+        cache = KVCache(model.config, B, MAX_LEN, torch.float32, torch.device("cpu"))
+        with torch.inference_mode():
+            for b in range(B):  # ragged histories: sequence b has only b % 5 + 1 tokens before its step
+                n = b % 5 + 1
+                starts[b] = n
+                model(prompt[b:b + 1, :n], cache, AttnBatch.build([b], [0], n, torch.device("cpu"), MAX_LEN))
+            h, _ = model(step, cache, AttnBatch.build(list(range(B)), starts, 1, torch.device("cpu"), MAX_LEN))
+        got_want.append(h.float())
+    got, want = got_want
+    assert (got - want).abs().max() <= TOLERANCE[torch.bfloat16] * want.abs().max()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rows_do_not_depend_on_the_batch(tiny_llama_dir: Path, dtype: torch.dtype) -> None:
     model, _ = fused_and_reference(tiny_llama_dir, dtype)
@@ -94,7 +115,7 @@ def test_greedy_speculation_is_lossless_in_bf16(tiny_llama_dir: Path) -> None:
     out = spec.generate(prompts, greedy)
     assert [s.output_ids for s in out] == plain
     assert sum(s.spec.accepted_tokens for s in out) > 0
-    assert 3 * 4 <= MAX_ROWS  # every verify pass above ran through the kernel
+    assert FusedDecoder.accepts(3, 4)  # every pass above ran through the kernel
 
 
 def test_attaches_only_where_it_applies(tiny_llama_dir: Path) -> None:
