@@ -16,7 +16,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
@@ -37,7 +37,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Sink = Callable[[TokenDelta], None]
+@dataclass(frozen=True)
+class Listener:
+    """Where a streamed request's deltas go: a queue owned by an asyncio event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    deltas: asyncio.Queue
+
+
+def _put_all(items: list[tuple[asyncio.Queue, TokenDelta]]) -> None:
+    for deltas, delta in items:
+        deltas.put_nowait(delta)
 
 
 @dataclass(frozen=True)
@@ -86,7 +96,7 @@ class LLMEngine:
             proposer.allocate(config.num_slots, config.max_len + slack)
         self.scheduler = Scheduler(config.num_slots, config.max_prefill_tokens)
         self.sampler = Sampler(model.device)
-        self._sinks: dict[int, Sink] = {}
+        self._listeners: dict[int, Listener] = {}
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = thread
@@ -132,7 +142,7 @@ class LLMEngine:
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[TokenDelta] = asyncio.Queue()
         seq = Sequence(list(prompt_ids), params)
-        self._commands.put(("add", seq, lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d)))
+        self._commands.put(("add", seq, Listener(loop, deltas)))
         finished = False
         try:
             while not finished:
@@ -168,12 +178,20 @@ class LLMEngine:
             except Exception:
                 log.exception("engine step failed; aborting %d sequences", len(self.scheduler.running))
                 results = self._fail_all()
-            for seq, delta in results:
-                sink = self._sinks.get(seq.seq_id)
-                if sink is not None:
-                    sink(delta)
-                if delta.finished:
-                    self._sinks.pop(seq.seq_id, None)
+            self._deliver(results)
+
+    def _deliver(self, results: list[tuple[Sequence, TokenDelta]]) -> None:
+        """Hand a step's deltas to their listeners: one wake-up per event loop, not one per sequence
+        (the loop's Python work competes with the engine for the cores and the GIL)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TokenDelta]]] = {}
+        for seq, delta in results:
+            listener = self._listeners.get(seq.seq_id)
+            if listener is not None:
+                batches.setdefault(listener.loop, []).append((listener.deltas, delta))
+            if delta.finished:
+                self._listeners.pop(seq.seq_id, None)
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -189,12 +207,12 @@ class LLMEngine:
             self._add(cmd[1], cmd[2])
         elif cmd[0] == "abort" and cmd[1].status is not Status.FINISHED:
             self._finish(cmd[1], "abort")
-            self._sinks.pop(cmd[1].seq_id, None)
+            self._listeners.pop(cmd[1].seq_id, None)
             self._publish_stats()
 
-    def _add(self, seq: Sequence, sink: Sink | None) -> None:
-        if sink is not None:
-            self._sinks[seq.seq_id] = sink
+    def _add(self, seq: Sequence, listener: Listener | None) -> None:
+        if listener is not None:
+            self._listeners[seq.seq_id] = listener
         self.sampler.register(seq.seq_id, seq.params)
         self.scheduler.add(seq)
 
