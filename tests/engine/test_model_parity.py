@@ -6,12 +6,14 @@ Covers the real SmolLM2 GGUF (transformers dequantizes it itself) and tiny rando
 Qwen3 and RoPE-scaled Llama directories, one of them sharded.
 """
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from engine.cpu_linear import optimize_for_cpu_inference
 from engine.kv_cache import AttnBatch, KVCache
 from engine.loading import LoadedModel, load_model
 from engine.model import Transformer
@@ -95,6 +97,17 @@ def test_smollm2_greedy_matches_transformers_generate(smollm2: LoadedModel, smol
     ours = greedy(smollm2.model, smollm2_prompt, NEW_TOKENS, set(smollm2.tokenizer.eos_token_ids))
     assert ours == reference_greedy(smollm2_reference, smollm2_prompt, NEW_TOKENS)
     assert len(ours) > 8, "the comparison should cover a real answer, not an immediate stop"
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_smollm2_served_path_greedy_matches_transformers_generate(
+        smollm2: LoadedModel, smollm2_reference: torch.nn.Module, smollm2_prompt: list[int]) -> None:
+    """The model as `specloop serve` runs it on this CPU: optimised linears and, where the kernels
+    build, the fused C++ decode pass (engine/fused_decode.py)."""
+    served = optimize_for_cpu_inference(copy.deepcopy(smollm2.model))
+    ours = greedy(served, smollm2_prompt, NEW_TOKENS, set(smollm2.tokenizer.eos_token_ids))
+    assert ours == reference_greedy(smollm2_reference, smollm2_prompt, NEW_TOKENS)
 
 
 @pytest.mark.timeout(60)
