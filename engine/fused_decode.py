@@ -47,15 +47,16 @@ class FusedDecoder:
                                       c.num_kv_heads, c.head_dim, c.rms_norm_eps)
 
     @staticmethod
-    def accepts(B: int, n: int) -> bool:
-        """Whether a pass of B sequences with n new tokens each runs here (else eager)."""
-        return B * n <= MAX_ROWS or (n == 1 and B <= MAX_DECODE_ROWS)
+    def accepts(B: int, n: int, cache: KVCache) -> bool:
+        """Whether a pass of B sequences with n new tokens each over `cache` runs here (else eager):
+        the kernel reads and writes the fp32 cache the CPU engine keeps (engine/attention.py)."""
+        return cache.k.dtype == torch.float32 and (B * n <= MAX_ROWS or (n == 1 and B <= MAX_DECODE_ROWS))
 
     def forward(self, x: torch.Tensor, cache: KVCache, batch: AttnBatch,
                 taps: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """x `[B, n, H]` token embeddings → final-normed hidden `[B, n, H]` and tapped layer outputs."""
         B, n, H = x.shape
-        assert self.accepts(B, n) and batch.size == B and batch.num_new == n
+        assert self.accepts(B, n, cache) and batch.size == B and batch.num_new == n
         hidden, tapped = self.decoder.forward(x.reshape(B * n, H), batch.slots, batch.positions, cache.k, cache.v,
                                               list(taps))
         return hidden.view(B, n, H), [t.view(B, n, H) for t in tapped]

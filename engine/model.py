@@ -122,7 +122,7 @@ class Transformer(nn.Module):
         there is one (`engine/fused_decode.py`); the result is the same up to rounding.
         """
         B, n = tokens.shape
-        if self.fused_decoder is not None and cache is not None and self.fused_decoder.accepts(B, n):
+        if self.fused_decoder is not None and cache is not None and self.fused_decoder.accepts(B, n, cache):
             return self.fused_decoder.forward(self.embed(tokens), cache, batch, taps)
         positions = batch.positions if batch is not None else torch.arange(n, device=tokens.device).expand(B, n)
         assert positions.shape == (B, n)

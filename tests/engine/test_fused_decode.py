@@ -70,7 +70,8 @@ def test_matches_fp32_reference(tiny_hf_model: Callable[[str], Path], kind: str,
 def test_wide_decode_step_matches_reference(tiny_llama_dir: Path) -> None:
     fused, reference = fused_and_reference(tiny_llama_dir)
     B = 20  # more sequences than a block may have rows: decode steps still run in the kernel
-    assert FusedDecoder.accepts(B, 1) and not FusedDecoder.accepts(1, B)
+    fp32_cache = KVCache(fused.config, 1, MAX_LEN, torch.float32, torch.device("cpu"))
+    assert FusedDecoder.accepts(B, 1, fp32_cache) and not FusedDecoder.accepts(1, B, fp32_cache)
     g = torch.Generator().manual_seed(3)
     prompt, step = torch.randint(0, 300, (B, 5), generator=g), torch.randint(0, 300, (B, 1), generator=g)
     starts = [5] * B
@@ -115,7 +116,16 @@ def test_greedy_speculation_is_lossless_in_bf16(tiny_llama_dir: Path) -> None:
     out = spec.generate(prompts, greedy)
     assert [s.output_ids for s in out] == plain
     assert sum(s.spec.accepted_tokens for s in out) > 0
-    assert FusedDecoder.accepts(3, 4)  # every pass above ran through the kernel
+    assert FusedDecoder.accepts(3, 4, spec.runner.cache)  # every pass above ran through the kernel
+
+
+def test_bf16_cache_stays_eager(tiny_llama_dir: Path) -> None:
+    model, _ = fused_and_reference(tiny_llama_dir)
+    cache = KVCache(model.config, 1, MAX_LEN, torch.bfloat16, torch.device("cpu"))
+    assert not FusedDecoder.accepts(1, 1, cache)
+    with torch.inference_mode():
+        hidden, _ = model(torch.tensor([[1, 2, 3]]), cache, AttnBatch.build([0], [0], 3, torch.device("cpu"), MAX_LEN))
+    assert hidden.shape == (1, 3, model.config.hidden_size) and cache.k[:, 0, :, :3].abs().sum() > 0
 
 
 def test_attaches_only_where_it_applies(tiny_llama_dir: Path) -> None:
