@@ -9,7 +9,8 @@ Measured here (2 cores, GB/s of weights streamed). fp32 on the 576 → 49152 LM 
 
 bf16 on forty 576 → 3072 matrices (140 MB, so nothing stays in cache), idle machine: `F.linear`
 11.8 at one row; prepacked 19.6 at one row, 18.6 at two, 15.7 at eight (`F.linear` at eight rows:
-3.8 on the LM head). So bf16 runs prepacked, and fp32 keeps the transposed weight where the C++ kernels do not build.
+3.8 on the LM head). So bf16 runs prepacked, and fp32 keeps the transposed weight where the C++
+kernels do not build.
 
 Passes of at most `SMALL_ROWS` rows go to the C++ kernel in `kernels/cpu_decode.cpp` where it builds
 (AVX-512 BF16): weights packed in 4-row tiles, one sequential read each. On the LM head in bf16:

@@ -43,8 +43,8 @@ class FusedDecoder:
                 a.q_norm.weight if a.q_norm is not None else empty, a.k_norm.weight if a.k_norm is not None else empty,
                 a.o.weight, layer.post_norm.weight, layer.mlp.gate_up.weight, layer.mlp.down.weight,
             ])
-        self.decoder = kernel.Decoder(layers, model.norm.weight, model.rope_cos.float(), model.rope_sin.float(), c.num_heads,
-                                      c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+        self.decoder = kernel.Decoder(layers, model.norm.weight, model.rope_cos.float(), model.rope_sin.float(),
+                                      c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
 
     @staticmethod
     def accepts(B: int, n: int, cache: KVCache) -> bool:
@@ -69,8 +69,7 @@ def supports(model: torch.nn.Module) -> bool:
             and all(d % 32 == 0 for d in (c.hidden_size, c.q_size, c.intermediate_size)))
 
 
-def attach(model: torch.nn.Module) -> bool:
-    """Give `model` a `FusedDecoder` when the kernels load and fit it; True if attached."""
+def attach(model: torch.nn.Module) -> None:
+    """Give `model` a `FusedDecoder` when the kernels load and fit it, else None."""
     kernel = load() if supports(model) else None
     model.fused_decoder = FusedDecoder(kernel, model) if kernel is not None else None
-    return model.fused_decoder is not None

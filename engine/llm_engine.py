@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class Listener:
     """Where a streamed request's deltas go: a queue owned by an asyncio event loop."""

@@ -256,7 +256,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& tiles, int64_t out, con
   TORCH_CHECK(tiles.dim() == 4 && tiles.size(2) == TILE && tiles.size(3) * tiles.element_size() == 64 &&
                   tiles.is_contiguous() && tiles.size(0) == (out + TILE - 1) / TILE,
               "tiles: expected the output of pack() for a weight with `out` rows");
-  TORCH_CHECK(x.scalar_type() == tiles.scalar_type() && x.size(-1) == w.in(), "x: expected [..., in] in the weight's dtype");
+  TORCH_CHECK(x.scalar_type() == tiles.scalar_type() && x.size(-1) == w.in(),
+              "x: expected [..., in] in the weight's dtype");
   const auto xf = x.to(at::kFloat).contiguous();
   const int64_t M = xf.numel() / w.in();
   at::Tensor b32;
@@ -301,7 +302,8 @@ class Decoder {
   std::tuple<at::Tensor, std::vector<at::Tensor>> forward(const at::Tensor& x, const at::Tensor& slots,
                                                           const at::Tensor& positions, at::Tensor k_cache,
                                                           at::Tensor v_cache, std::vector<int64_t> taps) {
-    TORCH_CHECK(x.scalar_type() == dtype_ && x.dim() == 2 && x.size(1) == hidden_, "x: expected [M, H] in the model's dtype");
+    TORCH_CHECK(x.scalar_type() == dtype_ && x.dim() == 2 && x.size(1) == hidden_,
+                "x: expected [M, H] in the model's dtype");
     TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                     k_cache.dim() == 5 && k_cache.size(0) == (int64_t)layers_.size() && k_cache.size(2) == hkv_ &&
                     k_cache.size(4) == d_ && k_cache.sizes() == v_cache.sizes(),
@@ -327,10 +329,12 @@ class Decoder {
       for (int64_t li = 0; li < (int64_t)layers_.size(); ++li) {
         attention_block(layers_[li], li, resid.data_ptr<float>(), M, slot, pos, k_cache, v_cache, s);
         mlp_block(layers_[li], resid.data_ptr<float>(), M, s);
-        if (std::find(taps.begin(), taps.end(), li) != taps.end()) tapped.push_back(resid.to(dtype_, false, /*copy=*/true));
+        if (std::find(taps.begin(), taps.end(), li) != taps.end())
+          tapped.push_back(resid.to(dtype_, false, /*copy=*/true));
       }
-      for (int64_t m = 0; m < M; ++m)
-        rms_norm(resid.data_ptr<float>() + m * hidden_, f32(final_norm_), eps_, hidden_, out.data_ptr<float>() + m * hidden_);
+      float* r = resid.data_ptr<float>();
+      float* o = out.data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m) rms_norm(r + m * hidden_, f32(final_norm_), eps_, hidden_, o + m * hidden_);
     }
     return {out.to(dtype_), tapped};
   }

@@ -43,7 +43,8 @@ def fused_and_reference(path: Path, dtype: torch.dtype = torch.bfloat16) -> tupl
     return fused, reference
 
 
-def run_passes(model: Transformer, tokens: torch.Tensor) -> tuple[list[torch.Tensor], list[list[torch.Tensor]], KVCache]:
+def run_passes(model: Transformer,
+               tokens: torch.Tensor) -> tuple[list[torch.Tensor], list[list[torch.Tensor]], KVCache]:
     cache = KVCache(model.config, 3, MAX_LEN, torch.float32, torch.device("cpu"))
     hidden, taps = [], []
     with torch.inference_mode():
@@ -111,7 +112,8 @@ def test_greedy_speculation_is_lossless_in_bf16(tiny_llama_dir: Path) -> None:
     # Repetitive prompts so that n-gram drafts get accepted and rollback paths run.
     prompts = [(torch.randint(0, 300, (4,), generator=g).tolist() * 4)[:14] for _ in range(3)]
     greedy = SamplingParams(max_tokens=20, temperature=0.0)
-    plain = [s.output_ids for s in LLMEngine(model, EngineConfig(num_slots=3, max_len=MAX_LEN), []).generate(prompts, greedy)]
+    plain_engine = LLMEngine(model, EngineConfig(num_slots=3, max_len=MAX_LEN), [])
+    plain = [s.output_ids for s in plain_engine.generate(prompts, greedy)]
     spec = LLMEngine(model, EngineConfig(num_slots=3, max_len=MAX_LEN), [], proposer=NgramProposer(block_size=4))
     out = spec.generate(prompts, greedy)
     assert [s.output_ids for s in out] == plain
