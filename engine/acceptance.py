@@ -123,7 +123,7 @@ def replay(proposer: Proposer, sequences: list[TokenSequence], target: Transform
 
 def compare(target: Transformer, fingerprint: str, sequences: list[TokenSequence], drafters: list[Path],
             ngram_block_size: int | None, combined: bool = True, block_size: int | None = None,
-            min_match: int = 1, batch_size: int = 8, live_concurrency: int | None = None) -> dict:
+            min_match: int = 3, batch_size: int = 8, live_concurrency: int | None = None) -> dict:
     """Replay every drafter (refusing any trained for another fingerprint), n-gram lookup at
     `ngram_block_size` (None: skip), and each drafter combined with n-gram lookup, on the same set.
     With `live_concurrency`, each is also run by real speculative generation at that concurrency."""

@@ -68,11 +68,20 @@ class CpuLinear(nn.Module):
         return F.linear(x, self._weight, self.bias)
 
 
+def _on_cpu(module: nn.Module) -> bool:
+    return next(module.parameters()).device.type == "cpu" and torch.backends.mkldnn.is_available()
+
+
+def for_cpu_inference(linear: nn.Linear) -> nn.Module:
+    """A frozen `linear` as a `CpuLinear` on the CPU; `linear` itself elsewhere."""
+    return CpuLinear(linear) if _on_cpu(linear) else linear
+
+
 def optimize_for_cpu_inference(model: nn.Module, fused: bool = True) -> nn.Module:
-    """Swap every `nn.Linear` in a frozen CPU model for a `CpuLinear`, in place, and give a `Transformer`
-    the fused small-batch forward pass when `fused` and the kernels build; a no-op off the CPU."""
-    first = next(model.parameters())
-    if first.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    """Swap every `nn.Linear` inside a frozen CPU model for a `CpuLinear`, in place, and give a
+    `Transformer` the fused small-batch forward pass when `fused` and the kernels build; a no-op off
+    the CPU. A bare `nn.Linear` has nothing inside it: use `for_cpu_inference`."""
+    if not _on_cpu(model):
         return model
     for module in list(model.modules()):
         for name, child in list(module.named_children()):

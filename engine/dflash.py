@@ -150,16 +150,20 @@ class DrafterLayer(nn.Module):
         return k, v.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx_k: torch.Tensor,
-                ctx_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x `[B, n, H]` block states; ctx_k/ctx_v `[B, Hkv, T, D]`; mask `[B, 1, n, T + n]` bool (True = see)."""
+                ctx_v: torch.Tensor, mask: "torch.Tensor | SeparateBlocks") -> torch.Tensor:
+        """x `[B, n, H]` block states; ctx_k/ctx_v `[B, Hkv, T, D]`; mask `[B, 1, n, T + n]` bool (True =
+        see), or `SeparateBlocks` when the n queries are independent blocks (training)."""
         B, n, _ = x.shape
         h = self.input_norm(x)
         q = self.q(h).view(B, n, self.c.num_heads, self.c.head_dim)
         q = apply_rope(self.q_norm(q).transpose(1, 2), cos, sin)  # [B, Hq, n, D]
         k, v = self.project_kv(h, cos, sin)  # [B, Hkv, n, D]
-        keys = torch.cat([ctx_k, k], dim=2)  # [B, Hkv, T + n, D]
-        values = torch.cat([ctx_v, v], dim=2)
-        out = attend(q, keys, values, mask)
+        if isinstance(mask, SeparateBlocks):
+            out = mask.attend(q, ctx_k, ctx_v, k, v)
+        else:
+            keys = torch.cat([ctx_k, k], dim=2)  # [B, Hkv, T + n, D]
+            values = torch.cat([ctx_v, v], dim=2)
+            out = attend(q, keys, values, mask)
         x = x + self.o(out.transpose(1, 2).reshape(B, n, -1))
         return x + self.mlp(self.post_norm(x))
 
@@ -212,7 +216,7 @@ class DFlashDrafter(nn.Module):
         return torch.cat([first, rest], dim=2).view(B, N * block_size, -1)
 
     def run_blocks(self, x: torch.Tensor, positions: torch.Tensor, ctx: list[tuple[torch.Tensor, torch.Tensor]],
-                   mask: torch.Tensor) -> torch.Tensor:
+                   mask: "torch.Tensor | SeparateBlocks") -> torch.Tensor:
         """Block embeddings `[B, n, H]` at positions `[B, n]` → final-normed hidden `[B, n, H]`."""
         cos, sin = self.rope(positions, x.dtype)
         for layer, (ctx_k, ctx_v) in zip(self.layers, ctx, strict=True):
@@ -224,17 +228,51 @@ class DFlashDrafter(nn.Module):
         return lm_head.weight[self.vocab_ids] if self.trimmed else lm_head.weight
 
 
+def context_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
+    """`[B, 1, N·bs, S]`: which of S context positions each query of N blocks per row sees (block j,
+    anchored at p, sees positions `< p`; dropped blocks, keep False, see none)."""
+    q_block = torch.arange(anchors.shape[1] * block_size, device=anchors.device) // block_size  # [Q]
+    anchor_of_q = anchors[:, q_block]  # [B, Q]
+    ctx_pos = torch.arange(ctx_len, device=anchors.device)
+    sees_ctx = (ctx_pos.view(1, 1, -1) < anchor_of_q.unsqueeze(-1)) & keep[:, q_block].unsqueeze(-1)  # [B, Q, S]
+    return sees_ctx.unsqueeze(1)
+
+
 def block_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
     """Training mask `[B, 1, N·bs, S + N·bs]` for N blocks per row over a context of S positions.
 
     Block j (anchor at position p) sees context positions `< p` and its own block, both ways; other
     blocks are invisible. Dropped blocks (keep False) see only themselves, so no row is empty.
+    `SeparateBlocks` computes the same attention without the dense block-by-block part.
     """
     B, N = anchors.shape
     q_block = torch.arange(N * block_size, device=anchors.device) // block_size  # [Q]
-    anchor_of_q = anchors[:, q_block]  # [B, Q]
-    ctx_pos = torch.arange(ctx_len, device=anchors.device)
-    sees_ctx = (ctx_pos.view(1, 1, -1) < anchor_of_q.unsqueeze(-1)) & keep[:, q_block].unsqueeze(-1)  # [B, Q, S]
-    same_block = q_block.view(-1, 1) == q_block.view(1, -1)  # [Q, Q]
-    sees_block = same_block.unsqueeze(0).expand(B, -1, -1)
-    return torch.cat([sees_ctx, sees_block], dim=-1).unsqueeze(1)
+    sees_block = (q_block.view(-1, 1) == q_block.view(1, -1)).unsqueeze(0).expand(B, -1, -1)  # [B, Q, Q]
+    return torch.cat([context_mask(anchors, keep, ctx_len, block_size)[:, 0], sees_block], dim=-1).unsqueeze(1)
+
+
+@dataclass(frozen=True)
+class SeparateBlocks:
+    """N blocks of `block_size` queries per row, each seeing the context where `ctx_mask` `[B, 1, N·bs, T]`
+    allows and its own block only: the training layout of `block_mask`, attended without the
+    `[N·bs, N·bs]` block-to-block scores that are all masked but the diagonal. With every position of
+    4 SmolLM2 answers an anchor of a 4-block, dense attention was 56% of a training step here (SDPA
+    1.05 of 1.87 s); this way the step took 1.53 s."""
+
+    ctx_mask: torch.Tensor
+    block_size: int
+
+    def attend(self, q: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        """q `[B, Hq, n, D]`, ctx_k/ctx_v `[B, Hkv, T, D]`, k/v `[B, Hkv, n, D]` → `[B, Hq, n, D]`."""
+        B, Hq, n, D = q.shape
+        bs, T = self.block_size, ctx_k.shape[2]
+        assert n % bs == 0 and self.ctx_mask.shape[-2:] == (n, T), (q.shape, ctx_k.shape, self.ctx_mask.shape)
+        g = Hq // k.shape[1]
+        ctx_k, ctx_v, k, v = (t.repeat_interleave(g, dim=1) for t in (ctx_k, ctx_v, k, v))  # Hkv → Hq
+        qb = q.view(B, Hq, n // bs, bs, D)
+        s_ctx = (q @ ctx_k.transpose(-1, -2)).float().masked_fill(~self.ctx_mask, float("-inf"))  # [B, Hq, n, T]
+        s_blk = (qb @ k.view(qb.shape).transpose(-1, -2)).float().view(B, Hq, n, bs)  # own block only
+        p = (torch.cat([s_ctx, s_blk], dim=-1) * D**-0.5).softmax(dim=-1).to(v.dtype)
+        out_blk = p[..., T:].reshape(B, Hq, n // bs, bs, bs) @ v.view(qb.shape)
+        return (p[..., :T] @ ctx_v + out_blk.view(B, Hq, n, D)).to(q.dtype)

@@ -5,13 +5,17 @@ keys/values at the observed positions (a `KVCache` laid out like the target's, o
 sequence). `propose` runs the block `[last token, mask × k]` at positions `ctx_len .. ctx_len+k`
 against the first `ctx_len` context rows of each slot (ragged lengths handled by a key mask) and
 returns argmax drafts through the target's own LM head, which is borrowed, never copied into the
-artifact. The block's own K/V are never cached: each propose starts from the context alone.
+artifact. The block's own K/V are never cached: each propose starts from the context alone. On the
+CPU the drafter's linears and head run as `CpuLinear`s, like the target's (a 4-token block is a
+small pass, which the C++ kernel serves best).
 
 Not here: the drafter maths (`engine/dflash.py`), acceptance (`engine/speculation.py`).
 """
 
 import torch
+from torch import nn
 
+from engine.cpu_linear import for_cpu_inference, optimize_for_cpu_inference
 from engine.dflash import DFlashDrafter
 from engine.attention import cache_dtype
 from engine.kv_cache import AttnBatch, KVCache
@@ -26,13 +30,11 @@ class DFlashProposer(Proposer):
         block_size = block_size or c.block_size
         if not 2 <= block_size <= c.block_size:
             raise ValueError(f"block_size must be in 2..{c.block_size} (the trained block size), got {block_size}")
-        self.drafter = drafter.to(device=target.device, dtype=target.dtype).eval()
+        self.drafter = optimize_for_cpu_inference(drafter.to(device=target.device, dtype=target.dtype).eval())
         self.target = target
         self.block_size = block_size
         self.tap_layers = c.tap_layers
-        # A private copy of the kept head rows: slicing 49152 rows on every call would cost more than
-        # the drafter layer itself.
-        self.head = drafter.head_weight(target.lm_head).detach().clone() if drafter.trimmed else target.lm_head.weight
+        self.head = _head(drafter, target)
         self.cache: KVCache | None = None
 
     def allocate(self, num_slots: int, max_len: int) -> None:
@@ -70,4 +72,16 @@ class DFlashProposer(Proposer):
         positions = lens.view(-1, 1) + torch.arange(bs, device=device)  # [B, bs]
         x = self.drafter.embed_block(last_tokens.to(device).view(B, 1), bs, self.target.embed)  # [B, bs, H]
         hidden = self.drafter.run_blocks(x, positions, ctx, mask)  # [B, bs, H]
-        return (hidden[:, 1:] @ self.head.T).float()
+        return self.head(hidden[:, 1:]).float()
+
+
+def _head(drafter: DFlashDrafter, target: Transformer) -> nn.Module:
+    """The drafter's output layer: the target's LM head, or a private copy of its kept rows when the
+    vocabulary is trimmed (slicing 49152 rows on every call would cost more than the drafter layer
+    itself), as a CPU-inference linear like the target's own."""
+    if not drafter.trimmed:
+        return target.lm_head
+    rows = drafter.head_weight(target.lm_head).detach()  # [V', H]
+    head = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
+    head.weight = nn.Parameter(rows.clone(), requires_grad=False)
+    return for_cpu_inference(head)

@@ -64,6 +64,9 @@ def train_drafter(
     resume: Annotated[bool, typer.Option(help="Continue from OUT/checkpoint.pt when present")] = True,
     init_from: Annotated[Path | None, typer.Option(help="Warm start from this drafter artifact")] = None,
     trim_vocab: Annotated[bool, typer.Option(help="Output only tokens seen in training responses")] = False,
+    distill: Annotated[bool, typer.Option(
+        help="Also anchor in prompts; labels are the target's own greedy predictions")] = False,
+    mixed_precision: Annotated[bool, typer.Option(help="bf16 autocast for the drafter (fp32 master weights)")] = False,
     feature_cache_gb: Annotated[float, typer.Option(help="Memory for cached target hidden states; 0 = off")] = 4.0,
     eval_tau: Annotated[bool, typer.Option(help="Replay held-out tau at every evaluation (a tau-vs-time curve)")] = False,
     progress: bool = True,
@@ -79,7 +82,8 @@ def train_drafter(
             num_anchors=anchors, max_seq_len=max_seq_len, lr=lr, warmup_ratio=warmup_ratio, gamma=gamma,
             seed=seed, heldout_fraction=heldout_fraction, eval_every=eval_every, patience=patience,
             checkpoint_every=checkpoint_every, resume=resume, init_from=str(init_from) if init_from else None,
-            trim_vocab=trim_vocab, feature_cache_gb=feature_cache_gb, eval_tau=eval_tau, progress=progress,
+            trim_vocab=trim_vocab, distill=distill, mixed_precision=mixed_precision,
+            feature_cache_gb=feature_cache_gb, eval_tau=eval_tau, progress=progress,
         )
         sequences = read_sequences(data)
     except ValueError as e:
@@ -104,7 +108,7 @@ def eval_drafter(
     ngram: Annotated[bool, typer.Option(help="Include the n-gram lookup baseline")] = True,
     ngram_block_size: Annotated[int | None, typer.Option(help="Default: the first drafter's block size, else 8")] = None,
     combined: Annotated[bool, typer.Option(help="Also replay each drafter combined with n-gram lookup")] = True,
-    min_match: Annotated[int, typer.Option(help="Combined: n-gram match length that overrides the drafter")] = 1,
+    min_match: Annotated[int, typer.Option(help="Combined: n-gram match length that overrides the drafter")] = 3,
     block_size: Annotated[int | None, typer.Option(help="Serve drafters at this (lower) block size")] = None,
     model: Annotated[str | None, _MODEL] = None,
     dtype: str = "float32",

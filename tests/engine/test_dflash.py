@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.dflash import DFlashConfig, block_mask, spread_tap_layers
+from engine.dflash import DFlashConfig, SeparateBlocks, block_mask, context_mask, spread_tap_layers
 from engine.dflash_proposer import DFlashProposer
 from engine.dflash_train import Batch, position_weights
 from engine.training_data import TokenSequence
@@ -98,6 +98,28 @@ def test_serving_path_equals_training_path() -> None:
     for j, p in enumerate(anchors[0].tolist()):
         serve = prop.block_logits([0], [p], tokens[0, p:p + 1])[0]
         torch.testing.assert_close(train_logits[j], serve, atol=1e-4, rtol=1e-4)
+
+
+def test_separate_blocks_equal_the_dense_training_mask() -> None:
+    """The training attention without block-to-block scores gives what the dense mask gives, with
+    ragged anchors, a dropped block (it sees only itself) and gradients."""
+    target = tiny_target()
+    d = tiny_drafter(target, block_size=4)
+    tokens = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(3))
+    _, taps = target(tokens, taps=d.config.tap_layers)
+    S = tokens.shape[1]
+    anchors, keep = torch.tensor([[1, 6, 12], [3, 9, 0]]), torch.tensor([[True, True, True], [True, True, False]])
+    positions = (anchors.unsqueeze(-1) + torch.arange(4)).view(2, -1)
+
+    def run(mask: torch.Tensor | SeparateBlocks) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx = d.context_kv(d.fuse([t.detach() for t in taps]), torch.arange(S).expand(2, S))
+        hidden = d.run_blocks(d.embed_block(tokens.gather(1, anchors), 4, target.embed), positions, ctx, mask)
+        return hidden, torch.autograd.grad(hidden.square().sum(), d.fc.weight)[0]
+
+    dense, g_dense = run(block_mask(anchors, keep, S, 4))
+    sparse, g_sparse = run(SeparateBlocks(context_mask(anchors, keep, S, 4), 4))
+    torch.testing.assert_close(sparse, dense, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g_sparse, g_dense, atol=1e-4, rtol=1e-4)
 
 
 def test_batch_pads_and_truncates() -> None:

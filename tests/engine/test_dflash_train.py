@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.dflash_train import Batch, Trainer, TrainConfig, sample_anchors
+from engine.dflash_proposer import DFlashProposer
+from engine.dflash_train import Batch, Trainer, TrainConfig, block_labels, sample_anchors
 from engine.drafter_artifact import load_drafter, read_meta
 from engine.training_data import TokenSequence
 from tests.engine.dflash_helpers import tiny_target
@@ -41,6 +42,90 @@ def test_anchors_lie_in_the_response_with_a_token_after() -> None:
     anchors, keep = sample_anchors(batch, 8, torch.Generator().manual_seed(0))
     # Row 0 may anchor at 3 or 4 (the last token has nothing after it), row 1 only at 1.
     assert anchors.tolist() == [[3, 4], [1, 0]] and keep.tolist() == [[True, True], [True, False]]
+
+
+def test_distillation_anchors_anywhere_after_the_first_token() -> None:
+    batch = Batch.of([TokenSequence((1, 2, 3), (4, 5, 6))], 16, torch.device("cpu"))
+    anchors, keep = sample_anchors(batch, 8, torch.Generator().manual_seed(0), in_prompt=True)
+    assert anchors.tolist() == [[1, 2, 3, 4]] and keep.all()
+
+
+def test_distillation_labels_follow_the_targets_greedy_path() -> None:
+    batch = Batch.of([TokenSequence((1, 2), (3, 4, 5, 6))], 16, torch.device("cpu"))
+    # The target's pick after each position: right after 1, 2 and 4; after 3 it would say 9, not 4.
+    batch = Batch(batch.tokens, batch.prompt_lens, batch.lengths, greedy_next=torch.tensor([[2, 3, 9, 5, 6, 7]]))
+    label_pos = torch.tensor([[[1, 2, 3, 4], [3, 4, 5, 6]]])  # anchors 1 and 3, block size 4
+    labels, usable = block_labels(batch, label_pos, distill=True)
+    # Anchor 1: k=1 → 3 (after "2"), k=2 → 9 (the target's pick, not the stored 4), k=3 is off the
+    # greedy path (the stored 4 ≠ 9), so unsupervised. Anchor 3: k=3 lies past the end.
+    assert labels[0, 0, 1:].tolist() == [3, 9, 5] and usable[0, 0].tolist() == [True, True, True, False]
+    assert labels[0, 1, 1:3].tolist() == [5, 6] and usable[0, 1].tolist() == [True, True, True, False]
+    stored, inside = block_labels(batch, label_pos, distill=False)
+    assert stored[0, 0].tolist() == [2, 3, 4, 5] and inside[0, 0].all()
+
+
+@torch.no_grad()
+def greedy_answers(target: torch.nn.Module, n: int, length: int = 24) -> list[TokenSequence]:
+    """The target's own greedy continuations of random 4-token prompts."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        tokens = torch.randint(0, 64, (1, 4), generator=g)
+        for _ in range(length):
+            hidden, _ = target(tokens)
+            tokens = torch.cat([tokens, target.logits(hidden[:, -1:]).argmax(-1)], dim=1)
+        out.append(TokenSequence(tuple(tokens[0, :4].tolist()), tuple(tokens[0, 4:].tolist())))
+    return out
+
+
+def test_distillation_labels_equal_stored_greedy_answers() -> None:
+    """On the target's own greedy outputs every response label is the stored token, all supervised."""
+    target = tiny_target()
+    batch = Batch.of(greedy_answers(target, 3), 64, torch.device("cpu"))
+    hidden, _ = target(batch.tokens)
+    batch = Batch(batch.tokens, batch.prompt_lens, batch.lengths, greedy_next=target.logits(hidden).argmax(-1))
+    label_pos = torch.arange(4, 25).view(1, -1, 1) + torch.arange(4)  # anchors over the response
+    label_pos = label_pos.expand(3, -1, -1)
+    labels, usable = block_labels(batch, label_pos, distill=True)
+    stored, inside = block_labels(batch, label_pos, distill=False)
+    assert torch.equal(usable, inside) and torch.equal(labels[inside], stored[inside])
+
+
+def echo_target() -> torch.nn.Module:
+    """A tiny target whose greedy pick is always the current token: its layers add nothing to the
+    residual, and its tied LM head scores each token's own embedding highest."""
+    target = tiny_target()
+    with torch.no_grad():
+        for layer in target.layers:
+            layer.attn.o.weight.zero_()
+            layer.mlp.down.weight.zero_()
+        tokens = torch.arange(64).view(1, -1)
+        assert torch.equal(target.logits(target(tokens)[0]).argmax(-1), tokens)
+    return target
+
+
+def first_drafts(proposer: DFlashProposer, seq: TokenSequence) -> tuple[list[int], list[int]]:
+    """(first draft, anchor token) at every response position of `seq` but the last."""
+    tokens = torch.tensor([seq.tokens])
+    proposer.allocate(1, tokens.shape[1] + proposer.block_size)
+    proposer.observe([0], [0], proposer.target(tokens, taps=proposer.tap_layers)[1], tokens)
+    anchors = range(len(seq.prompt), tokens.shape[1] - 1)
+    drafts = [int(proposer.propose([0], [p], tokens[0, p:p + 1], [])[0, 0]) for p in anchors]
+    return drafts, [seq.tokens[p] for p in anchors]
+
+
+def test_distilled_mixed_precision_training_learns_the_target_not_the_data(tmp_path: Path) -> None:
+    """On cycling data the stored next token is the cycle's, but the target would repeat the current
+    token: a distilled drafter drafts the target's pick (the anchor token), a plain one the cycle's."""
+    target, unseen = echo_target(), cycling(41)[-1]
+    echoed = {}
+    for distill in (False, True):
+        trainer = Trainer(config(tmp_path / str(distill), distill=distill, mixed_precision=distill), target, "fp",
+                          cycling(40))
+        trainer.run()
+        drafts, anchors = first_drafts(DFlashProposer(trainer.drafter, target), unseen)
+        echoed[distill] = sum(d == a for d, a in zip(drafts, anchors, strict=True)) / len(drafts)
+    assert echoed[True] > 0.9 and echoed[False] < 0.1, echoed
 
 
 def test_loss_falls_and_artifact_is_written(tmp_path: Path) -> None:
@@ -79,6 +164,19 @@ def test_trimmed_vocabulary_and_warm_start(tmp_path: Path) -> None:
     assert read_meta(tmp_path / "t2")["config"]["output_vocab_size"] == 3
     warm = Trainer(replace(cfg, out_dir=str(tmp_path / "t3"), init_from=str(tmp_path / "t2")), tiny_target(), "fp", seqs)
     assert warm.drafter.vocab_ids.tolist() == [5, 6, 7]
+
+
+def test_epochs_are_permutations_in_batches_of_similar_length(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(2)
+    seqs = [TokenSequence((1, 2), tuple(range(3, 3 + int(n)))) for n in torch.randint(2, 60, (64,), generator=g)]
+    trainer = Trainer(config(tmp_path, heldout_fraction=0.0), tiny_target(), "fp", seqs)
+    spread = []
+    for epoch in (0, 1):
+        order = trainer._epoch_order(epoch)
+        assert sorted(order) == list(range(64))
+        lengths = [len(seqs[i].response) for i in order]
+        spread.append(max(max(lengths[b:b + 4]) - min(lengths[b:b + 4]) for b in range(0, 64, 4)))
+    assert trainer._epoch_order(0) != trainer._epoch_order(1) and max(spread) < 15, spread
 
 
 def test_early_stop_when_heldout_stops_improving(tmp_path: Path) -> None:
