@@ -153,6 +153,12 @@ def target_features(target: Transformer, tokens: torch.Tensor, tap_layers: tuple
     return taps, target.logits(hidden).argmax(dim=-1) if greedy else None
 
 
+def with_target_features(batch: Batch, target: Transformer, tap_layers: tuple[int, ...], greedy: bool) -> Batch:
+    """`batch` with the target's taps (and, with `greedy`, its greedy picks) attached."""
+    taps, greedy_next = target_features(target, batch.tokens, tap_layers, greedy)
+    return replace(batch, taps=taps, greedy_next=greedy_next)
+
+
 def block_labels(batch: Batch, label_pos: torch.Tensor, distill: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels `[B, N, bs]` for block positions `label_pos` (anchor p + k) and whether each may be
     supervised (inside the sequence; with `distill`, also on the target's greedy path)."""
@@ -180,8 +186,7 @@ def dflash_loss(drafter: DFlashDrafter, target: Transformer, batch: Batch, num_a
     c = drafter.config
     bs, (B, S) = c.block_size, batch.tokens.shape
     if batch.taps is None or (distill and batch.greedy_next is None):
-        taps, greedy = target_features(target, batch.tokens, c.tap_layers, distill)
-        batch = replace(batch, taps=taps, greedy_next=greedy)
+        batch = with_target_features(batch, target, c.tap_layers, distill)
     with torch.autocast(batch.tokens.device.type, dtype=torch.bfloat16, enabled=mixed_precision):
         fused = drafter.fuse(batch.taps)  # [B, S, H]
         ctx = drafter.context_kv(fused, torch.arange(S, device=fused.device).expand(B, S))
@@ -363,9 +368,8 @@ class Trainer:
             self.heldout_batches = []
             for i in range(0, len(self.heldout), self.cfg.batch_size):
                 batch = Batch.of(self.heldout[i:i + self.cfg.batch_size], self.cfg.max_seq_len, self.device)
-                taps, greedy = target_features(self.target, batch.tokens, self.drafter.config.tap_layers,
-                                               self.cfg.distill)
-                self.heldout_batches.append(replace(batch, taps=taps, greedy_next=greedy))
+                self.heldout_batches.append(with_target_features(batch, self.target, self.drafter.config.tap_layers,
+                                                                 self.cfg.distill))
         return self.heldout_batches
 
     def response_tokens_seen(self) -> int:
