@@ -235,13 +235,14 @@ class TrainResult:
 
 
 def build_drafter(cfg: TrainConfig, target: Transformer, fingerprint: str, train: list[TokenSequence]) -> DFlashDrafter:
-    """A fresh drafter for `target`, or the warm-start artifact's drafter."""
+    """A fresh drafter for `target`, or the warm-start artifact's drafter (its trimmed vocabulary
+    widened to the new responses' tokens when `trim_vocab`)."""
+    vocab = sorted({t for s in train for t in s.response}) if cfg.trim_vocab else None
     if cfg.init_from:
-        return load_drafter(cfg.init_from, fingerprint).drafter
+        drafter = load_drafter(cfg.init_from, fingerprint).drafter
+        return widen_vocab(drafter, vocab) if vocab is not None and drafter.trimmed else drafter
     dcfg = DFlashConfig.for_target(target.config, cfg.num_layers, cfg.num_taps, cfg.block_size)
-    vocab = None
-    if cfg.trim_vocab:
-        vocab = sorted({t for s in train for t in s.response})
+    if vocab is not None:
         dcfg = DFlashConfig(**{**asdict(dcfg), "output_vocab_size": len(vocab)})
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
@@ -252,6 +253,23 @@ def build_drafter(cfg: TrainConfig, target: Transformer, fingerprint: str, train
         # The average token embedding: a neutral starting point for "some token goes here".
         drafter.mask_embedding.copy_(target.embed.weight.float().mean(dim=0))
     return drafter
+
+
+def widen_vocab(drafter: DFlashDrafter, tokens: list[int]) -> DFlashDrafter:
+    """`drafter` with `tokens` added to its trimmed output vocabulary.
+
+    Retraining on new traffic meets tokens the first data never had; a drafter cannot propose a
+    token outside its vocabulary, and prompt labels there are ignored. The output rows are the
+    target's own LM head, so widening adds no parameters: every learned weight carries over.
+    """
+    assert drafter.trimmed
+    vocab = sorted(set(drafter.vocab_ids.tolist()) | set(tokens))
+    if len(vocab) == drafter.vocab_ids.numel():
+        return drafter
+    wide = DFlashDrafter(DFlashConfig(**{**asdict(drafter.config), "output_vocab_size": len(vocab)}))
+    state = {k: v for k, v in drafter.state_dict().items() if k != "vocab_ids"}
+    wide.load_state_dict({**state, "vocab_ids": torch.tensor(vocab)}, strict=True)
+    return wide.to(dtype=next(drafter.parameters()).dtype)
 
 
 def _label_map(drafter: DFlashDrafter, device: torch.device) -> torch.Tensor | None:

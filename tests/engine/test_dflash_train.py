@@ -164,6 +164,17 @@ def test_trimmed_vocabulary_and_warm_start(tmp_path: Path) -> None:
     assert read_meta(tmp_path / "t2")["config"]["output_vocab_size"] == 3
     warm = Trainer(replace(cfg, out_dir=str(tmp_path / "t3"), init_from=str(tmp_path / "t2")), tiny_target(), "fp", seqs)
     assert warm.drafter.vocab_ids.tolist() == [5, 6, 7]
+    # New traffic with new tokens widens the vocabulary; every learned weight carries over.
+    new = [TokenSequence((1, 2), (9, 5, 8, 9, 5, 8)) for _ in range(6)]
+    wide = Trainer(replace(cfg, out_dir=str(tmp_path / "t4"), init_from=str(tmp_path / "t2")), tiny_target(), "fp", new)
+    assert wide.drafter.vocab_ids.tolist() == [5, 6, 7, 8, 9]
+    before = load_drafter(tmp_path / "t2", "fp").drafter.state_dict()
+    for name, w in wide.drafter.state_dict().items():
+        if name != "vocab_ids":
+            torch.testing.assert_close(w, before[name], msg=name)
+    kept = Trainer(replace(cfg, out_dir=str(tmp_path / "t5"), init_from=str(tmp_path / "t2"), trim_vocab=False),
+                   tiny_target(), "fp", new)
+    assert kept.drafter.vocab_ids.tolist() == [5, 6, 7]
 
 
 def test_epochs_are_permutations_in_batches_of_similar_length(tmp_path: Path) -> None:
