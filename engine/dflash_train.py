@@ -343,8 +343,8 @@ class Trainer:
         stacked = []
         for column in range(len(self.features[idx[0]])):
             rows = [self.features[i][column] for i in idx]
-            pad = (0, 0) * (rows[0].dim() - 1) + (0,)
-            stacked.append(torch.stack([torch.nn.functional.pad(r, pad + (S - r.shape[0],)) for r in rows]))
+            # Right-pad the first dimension to S: taps are [len, H], greedy picks [len].
+            stacked.append(torch.stack([F.pad(r, (0, 0) * (r.dim() - 1) + (0, S - r.shape[0])) for r in rows]))
         if self.cfg.distill:
             return replace(batch, taps=stacked[:-1], greedy_next=stacked[-1])
         return replace(batch, taps=stacked)

@@ -63,7 +63,8 @@ def train_drafter(
     checkpoint_every: int = 100,
     resume: Annotated[bool, typer.Option(help="Continue from OUT/checkpoint.pt when present")] = True,
     init_from: Annotated[Path | None, typer.Option(help="Warm start from this drafter artifact")] = None,
-    trim_vocab: Annotated[bool, typer.Option(help="Output only tokens seen in training responses (with --init-from: add them to the artifact's)")] = False,
+    trim_vocab: Annotated[bool, typer.Option(
+        help="Output only tokens seen in training responses (with --init-from: add them to the artifact's)")] = False,
     distill: Annotated[bool, typer.Option(
         help="Also anchor in prompts; labels are the target's own greedy predictions")] = False,
     mixed_precision: Annotated[bool, typer.Option(help="bf16 autocast for the drafter (fp32 master weights)")] = False,
