@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.dflash_proposer import DFlashProposer
-from engine.dflash_train import Batch, Trainer, TrainConfig, block_labels, sample_anchors
+from engine.dflash_train import Batch, Trainer, TrainConfig, block_labels, lr_factor, sample_anchors
 from engine.drafter_artifact import load_drafter, read_meta
 from engine.training_data import TokenSequence
 from tests.engine.dflash_helpers import tiny_target
@@ -135,6 +135,20 @@ def test_loss_falls_and_artifact_is_written(tmp_path: Path) -> None:
     assert result.history[-1]["heldout_accuracy"] > 0.4
     art = load_drafter(tmp_path, "fp-toy")
     assert art.lineage.steps == 40 and art.lineage.seed == 0 and art.lineage.data_digest.startswith("sha256:")
+
+
+def test_schedule_anneals_over_whichever_budget_is_further_along(tmp_path: Path) -> None:
+    assert lr_factor(0, 100, 0.1) == pytest.approx(0.1)  # warmup counts steps, whatever the clock says
+    assert lr_factor(0, 100, 0.1, time_fraction=0.9) == pytest.approx(0.1)
+    assert lr_factor(55, 100, 0.1) == pytest.approx(0.5)  # halfway through the decay by steps
+    assert lr_factor(55, 100, 0.1, time_fraction=0.2) == pytest.approx(0.5)
+    assert lr_factor(20, 100, 0.1, time_fraction=0.5) == pytest.approx(0.5)  # the clock is further along
+    assert lr_factor(20, 100, 0.1, time_fraction=1.0) == pytest.approx(0.0)
+    trainer = Trainer(config(tmp_path, max_steps=100, max_seconds=60.0), tiny_target(), "fp", cycling(8))
+    trainer.step, trainer.elapsed = 20, 45.0
+    assert trainer.lr_factor() == pytest.approx(lr_factor(20, 100, 0.04, time_fraction=0.75))
+    trainer.advance(21)
+    assert trainer.opt.param_groups[0]["lr"] == pytest.approx(1e-2 * lr_factor(20, 100, 0.04, time_fraction=0.75))
 
 
 def test_resume_repeats_the_same_run(tmp_path: Path) -> None:
