@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from engine.dflash import DFlashConfig, DFlashDrafter, SeparateBlocks, context_mask
 from engine.drafter_artifact import Lineage, load_drafter, save_drafter
+from engine.feature_store import FeatureStore
 from engine.model import Transformer
 from engine.training_data import TokenSequence, digest, split_heldout
 
@@ -62,6 +63,7 @@ class TrainConfig:
     eval_every: int = 50
     patience: int = 5  # evaluations without a better held-out loss before stopping
     feature_cache_gb: float = 4.0  # keep target taps of training sequences in memory, up to this size
+    feature_dir: str | None = None  # also keep them here, for later runs (`engine.feature_store`)
     checkpoint_every: int = 100
     resume: bool = True
     init_from: str | None = None
@@ -313,9 +315,8 @@ class Trainer:
         self.best_state: dict[str, torch.Tensor] | None = None
         self.history: list[dict] = []
         self._order: tuple[int, list[int]] = (-1, [])  # (epoch, its sequence order)
-        self.features: dict[int, list[torch.Tensor]] = {}
+        self.store = FeatureStore(self._feature_namespace(), cfg.feature_cache_gb * 2**30, cfg.feature_dir, self.device)
         self.heldout_batches: list[Batch] | None = None
-        self.feature_bytes = 0
         self.out = Path(cfg.out_dir)
         if cfg.resume and (self.out / CHECKPOINT).is_file():
             self._load_checkpoint()
@@ -326,31 +327,38 @@ class Trainer:
         batch = Batch.of([self.train_set[i] for i in idx], self.cfg.max_seq_len, self.device)
         return self._with_cached_taps(batch, idx)
 
+    def _feature_namespace(self) -> str:
+        """What the target's features depend on besides the tokens (`FeatureStore` keys)."""
+        taps = ",".join(map(str, self.drafter.config.tap_layers))
+        return f"{self.fingerprint}|{self.target.dtype}|taps={taps}|greedy={self.cfg.distill}"
+
     def _with_cached_taps(self, batch: Batch, idx: list[int]) -> Batch:
-        """Attach the batch's target taps (and greedy picks, when distilling) from the feature cache,
-        filling it first while within budget.
+        """Attach the batch's target taps (and greedy picks, when distilling) from the feature store,
+        filling it first while it has room; without room, the loss runs the target over the batch.
 
         The target pass dominates a step (SmolLM2 on 2 busy CPU cores, batch 4, 32 anchors, 1 drafter
         layer: 29 s per step with it, 5.5 s without), and small datasets are seen for many epochs,
         so each sequence's taps are computed once.
         """
-        for i in dict.fromkeys(idx):
-            if i in self.features or self.feature_bytes >= self.cfg.feature_cache_gb * 2**30:
-                continue
-            # One sequence per target pass: a padded batch of random lengths wasted 45% of its
-            # positions on padding here (8 sequences of ~270 tokens padded to 388).
-            tokens = Batch.of([self.train_set[i]], self.cfg.max_seq_len, self.device).tokens
-            taps, greedy = target_features(self.target, tokens, self.drafter.config.tap_layers, self.cfg.distill)
-            self.features[i] = [t[0] for t in taps] + ([] if greedy is None else [greedy[0]])  # each [len, …]
-            self.feature_bytes += sum(t.nbytes for t in self.features[i])
-        if any(i not in self.features for i in idx):
-            return batch
+        rows = []
+        for i in idx:
+            tokens = Batch.of([self.train_set[i]], self.cfg.max_seq_len, self.device).tokens  # [1, S_i]
+            key = self.store.key(tokens[0].tolist())
+            features = self.store.get(key)
+            if features is None and self.store.can_store():
+                # One sequence per target pass: a padded batch of random lengths wasted 45% of its
+                # positions on padding here (8 sequences of ~270 tokens padded to 388).
+                taps, greedy = target_features(self.target, tokens, self.drafter.config.tap_layers, self.cfg.distill)
+                features = [t[0] for t in taps] + ([] if greedy is None else [greedy[0]])  # each [len, …]
+                self.store.put(key, features)
+            if features is None:
+                return batch
+            rows.append(features)
         S = batch.tokens.shape[1]
         stacked = []
-        for column in range(len(self.features[idx[0]])):
-            rows = [self.features[i][column] for i in idx]
+        for column in zip(*rows, strict=True):
             # Right-pad the first dimension to S: taps are [len, H], greedy picks [len].
-            stacked.append(torch.stack([F.pad(r, (0, 0) * (r.dim() - 1) + (0, S - r.shape[0])) for r in rows]))
+            stacked.append(torch.stack([F.pad(r, (0, 0) * (r.dim() - 1) + (0, S - r.shape[0])) for r in column]))
         if self.cfg.distill:
             return replace(batch, taps=stacked[:-1], greedy_next=stacked[-1])
         return replace(batch, taps=stacked)

@@ -69,6 +69,8 @@ def train_drafter(
         help="Also anchor in prompts; labels are the target's own greedy predictions")] = False,
     mixed_precision: Annotated[bool, typer.Option(help="bf16 autocast for the drafter (fp32 master weights)")] = False,
     feature_cache_gb: Annotated[float, typer.Option(help="Memory for cached target hidden states; 0 = off")] = 4.0,
+    feature_dir: Annotated[Path | None, typer.Option(
+        help="Also keep the target's hidden states here, so later runs on the same sequences skip the target")] = None,
     eval_tau: Annotated[bool, typer.Option(help="Replay held-out tau at every evaluation (a tau-vs-time curve)")] = False,
     progress: bool = True,
 ) -> None:
@@ -84,7 +86,8 @@ def train_drafter(
             seed=seed, heldout_fraction=heldout_fraction, eval_every=eval_every, patience=patience,
             checkpoint_every=checkpoint_every, resume=resume, init_from=str(init_from) if init_from else None,
             trim_vocab=trim_vocab, distill=distill, mixed_precision=mixed_precision,
-            feature_cache_gb=feature_cache_gb, eval_tau=eval_tau, progress=progress,
+            feature_cache_gb=feature_cache_gb, feature_dir=str(feature_dir) if feature_dir else None,
+            eval_tau=eval_tau, progress=progress,
         )
         sequences = read_sequences(data)
     except ValueError as e:

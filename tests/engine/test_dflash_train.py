@@ -216,9 +216,34 @@ def test_feature_cache_gives_the_same_training(tmp_path: Path) -> None:
     fresh = Trainer(config(tmp_path / "f", max_steps=4, heldout_fraction=0.0, feature_cache_gb=0.0), target, "fp", seqs)
     cached.advance(4)
     fresh.advance(4)
-    assert len(cached.features) == 8 and not fresh.features
+    assert len(cached.store) == 8 and not len(fresh.store)
     for (name, a), b in zip(cached.drafter.state_dict().items(), fresh.drafter.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, msg=name)
+
+
+def test_a_later_run_reads_features_from_disk_instead_of_running_the_target(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    seqs, target = cycling(8), tiny_target()
+    first = Trainer(config(tmp_path / "a", max_steps=4, heldout_fraction=0.0, feature_cache_gb=0.0,
+                           feature_dir=str(tmp_path / "features")), target, "fp", seqs)
+    first.advance(4)
+    assert len(list((tmp_path / "features").glob("*.safetensors"))) == 8
+
+    import engine.dflash_train as dflash_train
+    passes = []
+    real = dflash_train.target_features
+    monkeypatch.setattr(dflash_train, "target_features", lambda *a, **kw: passes.append(1) or real(*a, **kw))
+    again = Trainer(config(tmp_path / "b", max_steps=4, heldout_fraction=0.0, feature_cache_gb=0.0,
+                           feature_dir=str(tmp_path / "features")), target, "fp", seqs)
+    again.advance(4)
+    assert not passes and again.store.disk_hits == 16 and again.store.misses == 0
+    for (name, a), b in zip(first.drafter.state_dict().items(), again.drafter.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+    # Features of another base model are not these: the fingerprint is part of the key.
+    other = Trainer(config(tmp_path / "c", max_steps=1, heldout_fraction=0.0, feature_dir=str(tmp_path / "features")),
+                    target, "fp-other", seqs)
+    other.advance(1)
+    assert len(passes) == 4 and other.store.disk_hits == 0
 
 
 def test_heldout_tau_is_tracked_and_rises_with_training(tmp_path: Path) -> None:
