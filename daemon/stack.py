@@ -10,7 +10,8 @@ then the broker and moto stop. Ctrl-C in a terminal signals the whole foreground
 the children must not act on it, or the broker would be gone before the server's last traces
 reach it (measured: all three traces of a run lost, and 10 s of shutdown spent retrying). So the
 sink runs in its own session and the broker and moto start with SIGINT blocked (a blocked signal
-stays blocked across exec); all three are stopped with SIGTERM, in order.
+stays blocked across exec); all three are stopped with SIGTERM, in order. If `up` itself is killed
+outright, the kernel sends them SIGTERM (`storage/child_process.py`).
 
 This file only starts and stops processes; serving, capture and the sink live in their packages.
 Beyond one machine, run `specloop serve --kafka-bootstrap ...` and `specloop sink` against a real
@@ -31,6 +32,7 @@ from typing import IO, Annotated
 import typer
 
 from consent.settings import SECRETS_FILE
+from storage.child_process import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +135,7 @@ def _start_sink(stack: ExitStack, bootstrap: str, topic: str, root: Path) -> Non
     command = [sys.executable, "-m", "storage.cli", "sink", "--bootstrap-servers", bootstrap, "--root", str(root),
                "--topic", topic, "--group-id", SINK_GROUP, "--dead-letter-topic", DEAD_LETTER_TOPIC,
                "--flush-interval-s", str(_SINK_FLUSH_S)]
-    sink = subprocess.Popen(command, start_new_session=True)
+    sink = subprocess.Popen(command, start_new_session=True, preexec_fn=die_with_parent())
     stack.callback(_stop_sink, sink)
     log.info("sink (pid %d) writing Parquet under %s", sink.pid, root)
     _wait_for_group(bootstrap, sink)

@@ -25,6 +25,8 @@ from kafka import KafkaAdminClient
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
+from storage.child_process import die_with_parent
+
 _READY_TIMEOUT_S = 30.0
 _TEST_CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "test",
@@ -97,6 +99,7 @@ class LocalS3:
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
             stdout=self._log or subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent(),
         )
         _wait_for_port(self.port, self._process, "moto S3 server")
         self._create_bucket()
@@ -152,6 +155,7 @@ class EmbeddedBroker:
             env=self._environment(),
             stdout=self._log or subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent(),
         )
         _wait_for_port(self.port, self._process, "tansu broker")
         return self
