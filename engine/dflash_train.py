@@ -24,6 +24,7 @@ format (`engine/drafter_artifact.py`).
 """
 
 import copy
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -38,6 +39,8 @@ from engine.drafter_artifact import Lineage, load_drafter, save_drafter
 from engine.feature_store import FeatureStore
 from engine.model import Transformer
 from engine.training_data import TokenSequence, digest, split_heldout
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint.pt"
 
@@ -463,6 +466,9 @@ class Trainer:
         if self.cfg.eval_tau:
             point["heldout_tau"] = self.heldout_tau()
         self.history.append(point)
+        # A run in the background (no progress bar) is otherwise silent until it ends.
+        log.info("step %d (%.1f min): held-out loss %.3f, accuracy %.1f%%%s", self.step, self.elapsed / 60, loss,
+                 100 * acc, f", tau {point['heldout_tau']:.3f}" if "heldout_tau" in point else "")
         if self.best_loss is None or loss < self.best_loss:
             self.best_loss, self.bad_evals = loss, 0
             self.best_state = {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}

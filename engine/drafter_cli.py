@@ -8,6 +8,7 @@ loads the target once, and calls one function: `Trainer.run` (engine/dflash_trai
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Annotated
 
@@ -92,6 +93,7 @@ def train_drafter(
         sequences = read_sequences(data)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loaded = _target(model, dtype, device)
     try:
         trainer = Trainer(cfg, loaded.model, loaded.fingerprint, sequences)

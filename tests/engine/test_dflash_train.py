@@ -204,6 +204,14 @@ def test_epochs_are_permutations_in_batches_of_similar_length(tmp_path: Path) ->
     assert trainer._epoch_order(0) != trainer._epoch_order(1) and max(spread) < 15, spread
 
 
+def test_each_evaluation_is_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="engine.dflash_train"):
+        Trainer(config(tmp_path, max_steps=20, eval_tau=True), tiny_target(), "fp", cycling(20)).run()
+    lines = [r.getMessage() for r in caplog.records if r.name == "engine.dflash_train"]
+    assert [line.split(" (")[0] for line in lines] == ["step 10", "step 20"]
+    assert all("held-out loss" in line and "tau" in line for line in lines)
+
+
 def test_early_stop_when_heldout_stops_improving(tmp_path: Path) -> None:
     cfg = config(tmp_path, max_steps=200, lr=1e-9, warmup_ratio=0.0, eval_every=2, patience=2)
     result = Trainer(cfg, tiny_target(), "fp", cycling(20)).run()
