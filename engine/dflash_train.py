@@ -16,8 +16,9 @@ first-draft label for the price of the pass that computes the taps anyway.
 
 Loop: AdamW, linear warmup then cosine decay (over the step or the wall-clock budget, whichever is
 further along), gradient clipping, a fixed seed (data order and anchors are functions of the seed
-and step, so a resumed run repeats the same batches), step and wall-clock budgets, held-out evaluation with early stopping (the best weights are what is saved),
-resumable checkpoints, warm start from an artifact, optional output-vocabulary trimming.
+and step, so a resumed run repeats the same batches), step and wall-clock budgets, held-out
+evaluation with early stopping (the best weights are what is saved), resumable checkpoints, warm
+start from an artifact, optional output-vocabulary trimming.
 
 Not here: reading data (`engine/training_data.py`), the CLI (`engine/drafter_cli.py`), the artifact
 format (`engine/drafter_artifact.py`).
@@ -319,6 +320,7 @@ class Trainer:
         self.history: list[dict] = []
         self._order: tuple[int, list[int]] = (-1, [])  # (epoch, its sequence order)
         self.store = FeatureStore(self._feature_namespace(), cfg.feature_cache_gb * 2**30, cfg.feature_dir, self.device)
+        self._feature_keys: dict[int, str] = {}  # training index -> store key, hashed once per run
         self.heldout_batches: list[Batch] | None = None
         self.out = Path(cfg.out_dir)
         if cfg.resume and (self.out / CHECKPOINT).is_file():
@@ -335,6 +337,13 @@ class Trainer:
         taps = ",".join(map(str, self.drafter.config.tap_layers))
         return f"{self.fingerprint}|{self.target.dtype}|taps={taps}|greedy={self.cfg.distill}"
 
+    def _feature_key(self, i: int) -> str:
+        """The store key of training sequence `i` (as truncated for training), from its host-side tokens:
+        hashing a device tensor would sync the device for every sequence of every step."""
+        if i not in self._feature_keys:
+            self._feature_keys[i] = self.store.key(self.train_set[i].tokens[:self.cfg.max_seq_len])
+        return self._feature_keys[i]
+
     def _with_cached_taps(self, batch: Batch, idx: list[int]) -> Batch:
         """Attach the batch's target taps (and greedy picks, when distilling) from the feature store,
         filling it first while it has room; without room, the loss runs the target over the batch.
@@ -345,10 +354,10 @@ class Trainer:
         """
         rows = []
         for i in idx:
-            tokens = Batch.of([self.train_set[i]], self.cfg.max_seq_len, self.device).tokens  # [1, S_i]
-            key = self.store.key(tokens[0].tolist())
+            key = self._feature_key(i)
             features = self.store.get(key)
             if features is None and self.store.can_store():
+                tokens = Batch.of([self.train_set[i]], self.cfg.max_seq_len, self.device).tokens  # [1, S_i]
                 # One sequence per target pass: a padded batch of random lengths wasted 45% of its
                 # positions on padding here (8 sequences of ~270 tokens padded to 388).
                 taps, greedy = target_features(self.target, tokens, self.drafter.config.tap_layers, self.cfg.distill)

@@ -50,7 +50,8 @@ def train_drafter(
     taps: int = 5,
     block_size: int = 16,
     steps: int = 1000,
-    max_minutes: Annotated[float | None, typer.Option(help="Wall-clock budget; the LR anneals over it when it ends first")] = None,
+    max_minutes: Annotated[float | None, typer.Option(
+        help="Wall-clock budget; the LR anneals over it when it ends first")] = None,
     batch_size: int = 4,
     anchors: Annotated[int, typer.Option(help="Blocks per sequence per step")] = 32,
     max_seq_len: int = 1024,
