@@ -63,9 +63,10 @@ class FusedDecoder:
 
 
 def supports(model: torch.nn.Module) -> bool:
-    """Whether the kernel can run this model: on the CPU, every matrix's input a multiple of 32."""
+    """Whether the kernel can run this model: on the CPU, every matrix's input a multiple of 32, and
+    heads a multiple of 16 up to 128 (its attention tiles)."""
     c = model.config
-    return (model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float32)
+    return (model.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float32) and c.head_dim % 16 == 0 and c.head_dim <= 128
             and all(d % 32 == 0 for d in (c.hidden_size, c.q_size, c.intermediate_size)))
 
 

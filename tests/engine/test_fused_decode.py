@@ -2,7 +2,8 @@
 
 Checks what the engine relies on: hidden states, taps and cache contents agree with an fp32
 reference (same rounded weights) within a tolerance per dtype across decode, multi-token blocks, scattered
-slots and ragged starts; a row's result does not depend on the rest of its batch; and greedy
+slots and ragged starts; a row's result does not depend on the rest of its batch, nor a token's on
+the block it is verified in; and greedy
 speculation stays token-identical to plain decoding with the kernel in the loop.
 """
 
@@ -104,6 +105,29 @@ def test_rows_do_not_depend_on_the_batch(tiny_llama_dir: Path, dtype: torch.dtyp
         a, _ = model(step[:1], alone, AttnBatch.build([0], [6], 1, torch.device("cpu"), MAX_LEN))
         b, _ = model(step, together, AttnBatch.build([0, 1], [6, 6], 1, torch.device("cpu"), MAX_LEN))
         assert torch.equal(a[0], b[0])
+
+
+@pytest.mark.parametrize("head_dim", [16, 48, 64, 128])
+def test_a_token_does_not_depend_on_its_block(head_dim: int) -> None:
+    """Verify passes (a block of tokens) must give each token bit for bit what one-token decode steps
+    give it, or greedy speculation would not be lossless. The context is not a multiple of the
+    attention tiles (4 keys, 16 padded), and a 9-token block spans more than one tile of rows. fp32,
+    where bf16's rounding of the outputs would hide a difference in the last bits."""
+    config = ModelConfig(arch="llama", vocab_size=64, hidden_size=2 * head_dim, intermediate_size=64, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=head_dim, max_position=128)
+    torch.manual_seed(0)
+    model = optimize_for_cpu_inference(Transformer(config).eval().requires_grad_(False))
+    assert model.fused_decoder is not None
+    tokens = torch.randint(0, 64, (1, 46), generator=torch.Generator().manual_seed(3))
+    cpu = torch.device("cpu")
+    with torch.inference_mode():
+        caches = [KVCache(config, 1, MAX_LEN, torch.float32, cpu) for _ in range(2)]
+        for cache in caches:
+            model(tokens[:, :37], cache, AttnBatch.build([0], [0], 37, cpu, MAX_LEN))
+        block, _ = model(tokens[:, 37:], caches[0], AttnBatch.build([0], [37], 9, cpu, MAX_LEN))
+        steps = [model(tokens[:, p:p + 1], caches[1], AttnBatch.build([0], [p], 1, cpu, MAX_LEN))[0]
+                 for p in range(37, 46)]
+    assert torch.equal(block, torch.cat(steps, dim=1))
 
 
 def test_greedy_speculation_is_lossless_in_bf16(tiny_llama_dir: Path) -> None:

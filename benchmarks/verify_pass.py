@@ -1,0 +1,129 @@
+"""What a verify pass costs against a one-token decode step: SmolLM2-135M, batch 1, fused CPU kernel.
+
+Speculation pays off by `τ / (verify cost / decode cost + drafter cost)`, so the price of feeding a
+block of n tokens instead of one is half of every speedup. This measures one forward pass of the
+fused C++ decoder (`kernels/cpu_decode.cpp`, the LM head left out) for n = 1, 2, 3, 4, 8 rows of
+one sequence at several context lengths, on the real model's weights and a filled KV cache.
+
+With `--baseline-rev REV` the kernel source at git revision REV is built too (its `Decoder` renamed,
+so both load in one process) and measured interleaved with this checkout's, pass by pass, so both
+see the same machine: the side-by-side figure for a kernel change.
+
+Writes `benchmarks/results/verify_pass.json` and prints a markdown table. Run:
+`.venv/bin/python benchmarks/verify_pass.py --baseline-rev HEAD~1`. This is not a test: it asserts
+nothing and takes a minute or two.
+"""
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import load as build_extension
+
+from engine.attention import cache_dtype
+from engine.cpu_linear import optimize_for_cpu_inference
+from engine.fused_decode import FusedDecoder
+from engine.kv_cache import AttnBatch, KVCache
+from engine.loading import build_model, read_checkpoint
+from kernels.cpu_decode import _CFLAGS, _SOURCE
+
+RESULTS = Path(__file__).parent / "results" / "verify_pass.json"
+ROWS = (1, 2, 3, 4, 8)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--contexts", type=int, nargs="+", default=[300, 700, 1000], help="cached tokens before the pass")
+    p.add_argument("--repeats", type=int, default=30, help="passes per cell (the median is reported)")
+    p.add_argument("--baseline-rev", help="git revision whose kernel to measure side by side")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    return p.parse_args()
+
+
+def baseline_kernel(rev: str, workdir: Path) -> types.SimpleNamespace:
+    """The kernel at `rev`, built under another module and class name so it loads beside ours."""
+    text = subprocess.run(["git", "show", f"{rev}:kernels/{_SOURCE.name}"], check=True, capture_output=True,
+                          text=True, cwd=_SOURCE.parent.parent).stdout
+    source = workdir / "baseline_cpu_decode.cpp"
+    source.write_text(re.sub(r"\bDecoder\b", "BaselineDecoder", text))
+    module = build_extension("baseline_cpu_decode", [str(source)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                             build_directory=str(workdir))
+    return types.SimpleNamespace(Decoder=module.BaselineDecoder)
+
+
+def median_ms(decoders: dict[str, FusedDecoder], cache: KVCache, hidden: int, context: int, n: int,
+              repeats: int) -> dict[str, float]:
+    """Median milliseconds of one n-row pass at `context`, each decoder in turn, pass by pass."""
+    x = torch.randn(1, n, hidden, dtype=torch.bfloat16)
+    batch = AttnBatch.build([0], [context], n, torch.device("cpu"), cache.max_len)
+    times: dict[str, list[float]] = {name: [] for name in decoders}
+    for i in range(repeats + 3):
+        for name, decoder in decoders.items():
+            start = time.perf_counter()
+            decoder.forward(x, cache, batch, ())
+            if i >= 3:  # the first passes warm caches and thread pools
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def main() -> None:
+    args = parse_args()
+    load_before = os.getloadavg()[0]
+    gguf, ckpt = read_checkpoint(None)
+    model = optimize_for_cpu_inference(build_model(ckpt, torch.bfloat16, torch.device("cpu")))
+    if model.fused_decoder is None:
+        raise SystemExit("the fused CPU kernel does not build on this machine: nothing to measure")
+    cache = KVCache(model.config, 1, max(args.contexts) + max(ROWS), cache_dtype(model.dtype, model.device),
+                    model.device)
+    torch.manual_seed(0)
+    cache.k.normal_()  # attention reads every cached row: give it real numbers, not zeros
+    cache.v.normal_()
+    decoders = {"this": model.fused_decoder}
+    with tempfile.TemporaryDirectory() as workdir:
+        if args.baseline_rev:
+            decoders = {"baseline": FusedDecoder(baseline_kernel(args.baseline_rev, Path(workdir)), model), **decoders}
+        cells = []
+        for context in args.contexts:
+            for n in ROWS:
+                ms = median_ms(decoders, cache, model.config.hidden_size, context, n, args.repeats)
+                cells.append({"context": context, "rows": n, "ms": ms})
+                print(f"context {context} rows {n}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()), flush=True)
+    for cell in cells:  # each pass against the one-row pass at the same context, same kernel
+        one = next(c for c in cells if c["context"] == cell["context"] and c["rows"] == 1)
+        cell["vs_one_row"] = {k: v / one["ms"][k] for k, v in cell["ms"].items()}
+    report = {
+        "model": gguf.name,
+        "dtype": "bfloat16",
+        "cpu": platform.processor() or platform.machine(),
+        "threads": torch.get_num_threads(),
+        "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]},
+        "torch": torch.__version__,
+        "baseline_rev": args.baseline_rev,
+        "repeats": args.repeats,
+        "cells": cells,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(markdown_table(cells, list(decoders)))
+
+
+def markdown_table(cells: list[dict], names: list[str]) -> str:
+    head = "| context | rows | " + " | ".join(f"{n} ms | {n} vs 1 row" for n in names) + " |"
+    lines = [head, "| " + " | ".join(["---:"] * (2 + 2 * len(names))) + " |"]
+    for c in cells:
+        vals = " | ".join(f"{c['ms'][n]:.2f} | {c['vs_one_row'][n]:.2f}x" for n in names)
+        lines.append(f"| {c['context']} | {c['rows']} | {vals} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
