@@ -68,6 +68,7 @@ class TrainConfig:
     patience: int = 5  # evaluations without a better held-out loss before stopping
     feature_cache_gb: float = 4.0  # keep target taps of training sequences in memory, up to this size
     feature_dir: str | None = None  # also keep them here, for later runs (`engine.feature_store`)
+    feature_dir_gb: float | None = None  # cap on feature_dir; least recently used files go first
     checkpoint_every: int = 100
     resume: bool = True
     init_from: str | None = None
@@ -92,6 +93,8 @@ class TrainConfig:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.feature_cache_gb < 0:
             raise ValueError(f"feature_cache_gb must be >= 0, got {self.feature_cache_gb}")
+        if self.feature_dir_gb is not None and (self.feature_dir is None or self.feature_dir_gb <= 0):
+            raise ValueError(f"feature_dir_gb needs a feature_dir and must be > 0, got {self.feature_dir_gb}")
         if self.max_seconds is not None and self.max_seconds <= 0:
             raise ValueError(f"max_seconds must be > 0, got {self.max_seconds}")
 
@@ -246,6 +249,8 @@ class TrainResult:
     best_heldout_loss: float | None
     stop_reason: str
     history: list[dict] = field(default_factory=list)
+    # Where the target's features came from: computed, or read from --feature-dir; files evicted by its cap.
+    features: dict[str, int] = field(default_factory=dict)
 
 
 def build_drafter(cfg: TrainConfig, target: Transformer, fingerprint: str, train: list[TokenSequence]) -> DFlashDrafter:
@@ -319,7 +324,8 @@ class Trainer:
         self.best_state: dict[str, torch.Tensor] | None = None
         self.history: list[dict] = []
         self._order: tuple[int, list[int]] = (-1, [])  # (epoch, its sequence order)
-        self.store = FeatureStore(self._feature_namespace(), cfg.feature_cache_gb * 2**30, cfg.feature_dir, self.device)
+        self.store = FeatureStore(self._feature_namespace(), cfg.feature_cache_gb * 2**30, cfg.feature_dir, self.device,
+                                  None if cfg.feature_dir_gb is None else cfg.feature_dir_gb * 2**30)
         self._feature_keys: dict[int, str] = {}  # training index -> store key, hashed once per run
         self.heldout_batches: list[Batch] | None = None
         self.out = Path(cfg.out_dir)
@@ -526,8 +532,10 @@ class Trainer:
             "warm_start": self.cfg.init_from, "seconds": round(self.elapsed, 1), "stop_reason": reason,
         })
         path = save_drafter(self.out, self.drafter, self.fingerprint, lineage)
+        features = {"computed": self.store.misses, "read_from_disk": self.store.disk_hits,
+                    "evicted_from_disk": self.store.evicted}
         return TrainResult(path, self.step, self.elapsed, self.steps_per_second, train_tokens, self.last_loss,
-                           self.best_loss, reason, self.history)
+                           self.best_loss, reason, self.history, features)
 
     def save_checkpoint(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)

@@ -73,6 +73,8 @@ def train_drafter(
     feature_cache_gb: Annotated[float, typer.Option(help="Memory for cached target hidden states; 0 = off")] = 4.0,
     feature_dir: Annotated[Path | None, typer.Option(
         help="Also keep the target's hidden states here, so later runs on the same sequences skip the target")] = None,
+    feature_dir_gb: Annotated[float | None, typer.Option(
+        help="Cap --feature-dir at this size; the least recently used files go first (default: no cap)")] = None,
     eval_tau: Annotated[bool, typer.Option(help="Replay held-out tau at every evaluation (a tau-vs-time curve)")] = False,
     progress: bool = True,
 ) -> None:
@@ -89,6 +91,7 @@ def train_drafter(
             checkpoint_every=checkpoint_every, resume=resume, init_from=str(init_from) if init_from else None,
             trim_vocab=trim_vocab, distill=distill, mixed_precision=mixed_precision,
             feature_cache_gb=feature_cache_gb, feature_dir=str(feature_dir) if feature_dir else None,
+            feature_dir_gb=feature_dir_gb,
             eval_tau=eval_tau, progress=progress,
         )
         sequences = read_sequences(data)

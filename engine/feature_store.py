@@ -13,6 +13,11 @@ Key: a digest of the namespace (base-model fingerprint, target dtype, tapped lay
 picks are included) and the token ids. A file that cannot be read is a miss and is rewritten; a file
 that cannot be written (a full disk) stops writing, never training.
 
+The directory can be capped (`disk_bytes`): a weekly retrain adds a week of traces, and at 1.8 MB per
+SmolLM2 answer in bf16 the 7,629 answers of one run already took 14 GB. Past the cap the least
+recently used files go first (a read touches its file), so features of sequences no run asks for
+any more, such as those of an older base model, leave before those of this run's data.
+
 Not here: computing the features (`engine.dflash_train.target_features`), what to train on.
 """
 
@@ -35,17 +40,21 @@ class FeatureStore:
     """Per-sequence target features by key; `get` tries memory, then the directory."""
 
     def __init__(self, namespace: str, memory_bytes: float, directory: str | Path | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", disk_bytes: float | None = None) -> None:
         if memory_bytes < 0:
             raise ValueError(f"memory_bytes must be >= 0, got {memory_bytes}")
+        if disk_bytes is not None and disk_bytes <= 0:
+            raise ValueError(f"disk_bytes must be > 0 (or None for no cap), got {disk_bytes}")
         self.namespace, self.memory_bytes, self.device = namespace, memory_bytes, torch.device(device)
         self.directory = Path(directory) if directory is not None else None
         self.writable = self.directory is not None
+        self.disk_bytes = disk_bytes
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
+        self.disk_used = sum(f.stat().st_size for f in self._files())
         self.memory: dict[str, Features] = {}
         self.memory_used = 0
-        self.disk_hits = self.misses = 0
+        self.disk_hits = self.misses = self.evicted = 0
 
     def __len__(self) -> int:
         return len(self.memory)
@@ -70,6 +79,28 @@ class FeatureStore:
         self._remember(key, loaded)
         return loaded
 
+    def _files(self) -> list[Path]:
+        return list(self.directory.glob("*.safetensors")) if self.directory is not None else []
+
+    def _evict(self) -> None:
+        """Delete the least recently used files until the directory is 10% under its cap (so that
+        not every write lists the directory)."""
+        assert self.disk_bytes is not None
+        files = []
+        for f in self._files():
+            try:
+                st = f.stat()
+            except FileNotFoundError:  # another run evicted it meanwhile
+                continue
+            files.append((st.st_mtime, st.st_size, f))
+        self.disk_used = sum(size for _, size, _ in files)
+        for _, size, f in sorted(files):
+            if self.disk_used <= 0.9 * self.disk_bytes:
+                break
+            f.unlink(missing_ok=True)
+            self.disk_used -= size
+            self.evicted += 1
+
     def put(self, key: str, features: Features) -> None:
         self._remember(key, features)
         if self.writable and not (self.directory / f"{key}.safetensors").is_file():
@@ -88,6 +119,9 @@ class FeatureStore:
             return None
         try:
             tensors = load_file(path)
+            os.utime(path)  # recently used: the cap evicts the least recently used first
+        except FileNotFoundError:  # evicted by another run since is_file()
+            return None
         except (OSError, SafetensorError) as e:
             log.warning("feature file %s is unreadable (%s); recomputing it", path, e)
             path.unlink(missing_ok=True)
@@ -101,7 +135,11 @@ class FeatureStore:
         try:
             save_file({str(i): t.detach().cpu().contiguous() for i, t in enumerate(features)}, tmp)
             tmp.replace(path)  # atomic: a reader never sees half a file
+            self.disk_used += path.stat().st_size
         except OSError as e:
             log.warning("cannot write features to %s (%s); keeping them in memory only from now on", path, e)
             tmp.unlink(missing_ok=True)
             self.writable = False
+            return
+        if self.disk_bytes is not None and self.disk_used > self.disk_bytes:
+            self._evict()

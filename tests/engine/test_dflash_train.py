@@ -252,6 +252,9 @@ def test_a_later_run_reads_features_from_disk_instead_of_running_the_target(tmp_
                     target, "fp-other", seqs)
     other.advance(1)
     assert len(passes) == 4 and other.store.disk_hits == 0
+    result = Trainer(config(tmp_path / "d", max_steps=2, heldout_fraction=0.0, feature_cache_gb=0.0,
+                            feature_dir=str(tmp_path / "features")), target, "fp", seqs).run()
+    assert result.features == {"computed": 0, "read_from_disk": 8, "evicted_from_disk": 0}
 
 
 def test_heldout_tau_is_tracked_and_rises_with_training(tmp_path: Path) -> None:
@@ -260,3 +263,11 @@ def test_heldout_tau_is_tracked_and_rises_with_training(tmp_path: Path) -> None:
     seen = [point["response_tokens_seen"] for point in result.history]
     assert 1.0 <= taus[0] < taus[-1] and taus[-1] > 2.0, taus
     assert seen == sorted(seen) and seen[-1] == 40 * 4 * 24  # 40 steps of 4 sequences of 24 response tokens
+
+
+def test_feature_dir_cap_needs_a_directory_and_a_size(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="feature_dir_gb needs a feature_dir"):
+        config(tmp_path, feature_dir_gb=10.0)
+    with pytest.raises(ValueError, match="feature_dir_gb"):
+        config(tmp_path, feature_dir=str(tmp_path / "f"), feature_dir_gb=0.0)
+    assert config(tmp_path, feature_dir=str(tmp_path / "f"), feature_dir_gb=0.5).feature_dir_gb == 0.5

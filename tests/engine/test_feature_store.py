@@ -1,6 +1,9 @@
-"""The feature store: memory budget, disk reuse across instances, keys, unreadable and unwritable files."""
+"""The feature store: memory budget, disk reuse across instances, keys, unreadable and unwritable files,
+and the disk cap's least-recently-used eviction."""
 
 from pathlib import Path
+
+import os
 
 import pytest
 import torch
@@ -66,3 +69,25 @@ def test_unwritable_directory_stops_writing_not_training(tmp_path: Path, monkeyp
 def test_negative_memory_budget_is_refused() -> None:
     with pytest.raises(ValueError, match="memory_bytes"):
         FeatureStore("ns", -1)
+
+
+def test_disk_cap_evicts_least_recently_used(tmp_path: Path) -> None:
+    probe = FeatureStore("ns", 0, tmp_path / "probe")
+    probe.put(probe.key([0]), features(0))
+    size = probe.disk_used  # one sequence's file
+    assert size == next((tmp_path / "probe").iterdir()).stat().st_size
+    store = FeatureStore("ns", 0, tmp_path / "capped", disk_bytes=3.5 * size)
+    keys = [store.key([i]) for i in range(4)]
+    for t, key in enumerate(keys[:3]):
+        store.put(key, features(0))
+        os.utime(tmp_path / "capped" / f"{key}.safetensors", (1000 + t, 1000 + t))  # written in this order
+    assert store.get(keys[0]) is not None  # read: now the most recently used
+    store.put(keys[3], features(0))  # a fourth file passes the cap: the least recently used goes
+    left = {f.stem for f in (tmp_path / "capped").iterdir()}
+    assert left == {keys[0], keys[2], keys[3]} and store.evicted == 1 and store.disk_used == 3 * size
+    assert FeatureStore("ns", 0, tmp_path / "capped", disk_bytes=size).disk_used == 3 * size  # counts what it finds
+
+
+def test_disk_cap_must_be_positive(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="disk_bytes"):
+        FeatureStore("ns", 0, tmp_path, disk_bytes=0)
