@@ -108,7 +108,7 @@ def train_drafter(
         "artifact": str(result.artifact), "steps": result.steps, "seconds": round(result.seconds, 1),
         "steps_per_second": result.steps_per_second, "train_response_tokens": result.train_tokens,
         "final_train_loss": result.final_train_loss, "best_heldout_loss": result.best_heldout_loss,
-        "stop_reason": result.stop_reason, "history": result.history,
+        "stop_reason": result.stop_reason, "features": result.features, "history": result.history,
     }, indent=2))
 
 

@@ -32,9 +32,12 @@ def test_train_then_eval_on_smollm2(app: typer.Typer, smollm2: LoadedModel, tmp_
     out = tmp_path / "drafter"
     run = CliRunner().invoke(app, ["train-drafter", "--data", str(tmp_path / "d.jsonl"), "--out", str(out),
                                    "--steps", "2", "--block-size", "4", "--anchors", "4", "--heldout-fraction", "0",
-                                   "--trim-vocab", "--no-progress"])
+                                   "--trim-vocab", "--no-progress", "--feature-dir", str(tmp_path / "features"),
+                                   "--feature-dir-gb", "1"])
     assert run.exit_code == 0, run.output
-    assert json.loads(run.output)["steps"] == 2
+    result = json.loads(run.output)
+    assert result["steps"] == 2 and result["features"]["evicted_from_disk"] == 0
+    assert result["features"]["computed"] == len(list((tmp_path / "features").glob("*.safetensors"))) == 3
     assert read_meta(out)["base_model_fingerprint"] == smollm2.fingerprint
     run = CliRunner().invoke(app, ["eval-drafter", "--data", str(tmp_path / "d.jsonl"), "--drafter", str(out),
                                    "--output", str(tmp_path / "eval.json")])
