@@ -271,6 +271,8 @@ void attend_rows(const std::vector<QueryRow>& rows, const float* keys, const flo
     for (t = 0; t < len; ++t) sc[t] /= total;
     std::fill(sc + len, sc + Lp, 0.f);
   }
+  // Rows shorter than the longest in their tile add probability 0 times the values past their end:
+  // those are this pass's own later tokens, written above, so finite, and the sum is unchanged.
   for (int64_t r0 = 0; r0 < R; r0 += RC) {
     const int64_t rc = std::min(RC, R - r0);
     int64_t len = 0;
