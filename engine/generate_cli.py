@@ -8,7 +8,10 @@ throughput comes from (transformers' batched `generate` made about 57 tokens/s h
 A deterministic held-out split by prompt hash is written beside the training file, so held-out
 prompts never appear in training data. Answers are appended chunk by chunk, so a long run
 (hours over the evals corpus) keeps what it finished when stopped, and `--resume` skips the
-prompts already answered. This file holds only the command and its wiring.
+prompts already answered. `--skip-answered-in` skips prompts an earlier round's data already holds:
+sampling evals again with a new seed drew 1,936 prompts of 5,120 that earlier rounds had answered
+(its small tasks have few prompts), and greedy answers to them would only repeat those rounds'. This
+file holds only the command and its wiring.
 """
 
 import logging
@@ -40,6 +43,8 @@ def generate(
     seed: Annotated[int, typer.Option(help="Prompt sampling seed")] = 0,
     chunk: Annotated[int, typer.Option(help="Prompts answered between appends to the output files")] = 512,
     resume: Annotated[bool, typer.Option(help="Keep existing output files and skip prompts already answered")] = False,
+    skip_answered_in: Annotated[list[Path] | None, typer.Option(
+        help="Training data (JSONL, Parquet file or directory) whose prompts are not answered again")] = None,
 ) -> None:
     """Answer a prompt set with the target and store the answers as drafter training data."""
     import json
@@ -60,6 +65,10 @@ def generate(
         raise typer.BadParameter("--concurrency, --max-tokens and --chunk must be >= 1")
     if source == "file" and prompts_file is None:
         raise typer.BadParameter("--source file needs --prompts-file")
+    try:
+        answered_before = {s.prompt for s in read_sequences(skip_answered_in or [])}
+    except ValueError as e:
+        raise typer.BadParameter(f"--skip-answered-in: {e}") from e
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     loaded = load_model(model, getattr(torch, dtype), device)
     max_len = min(max_len, loaded.model.config.max_position)
@@ -76,8 +85,10 @@ def generate(
         raise typer.BadParameter("no prompt fits --max-len with --max-tokens")
     out.mkdir(parents=True, exist_ok=True)
     files = (out / "train.jsonl", out / "heldout.jsonl")
-    done = _answered(files) if resume else set()
+    done = (_answered(files) if resume else set()) | answered_before
+    before = len(ids)
     ids = [p for p in ids if tuple(p) not in done]
+    skipped = before - len(ids)
     if not resume:
         for f in files:
             f.write_text("")
@@ -97,7 +108,7 @@ def generate(
                  tokens / seconds)
     seconds = time.perf_counter() - started
     stats = {"source": source, "prompts": sum(counts), "train": counts[0], "heldout": counts[1],
-             "skipped_already_answered": len(done), "response_tokens": tokens, "seconds": round(seconds, 1),
+             "skipped_already_answered": skipped, "response_tokens": tokens, "seconds": round(seconds, 1),
              "tokens_per_second": round(tokens / max(seconds, 1e-9), 1), "concurrency": concurrency,
              "dtype": dtype, "base_model": loaded.fingerprint,
              "digest": digest(read_sequences(files))}

@@ -43,6 +43,27 @@ def test_generate_resume_answers_only_the_missing_prompts(tiny_llama_dir: Path, 
     assert len(rows) == 10 == len({r.prompt for r in rows})
 
 
+def test_generate_skips_prompts_an_earlier_round_answered(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Name {i}"}]}) + "\n"
+                               for i in range(7)))
+    base = ["--model", str(tiny_llama_dir), "--source", "file", "--prompts-file", str(prompts), "--max-tokens", "3",
+            "--concurrency", "3", "--dtype", "float32"]
+    first = CliRunner().invoke(app, ["generate", "--out", str(tmp_path / "r1"), *base, "--limit", "3"])
+    assert first.exit_code == 0, first.output
+    second = CliRunner().invoke(app, ["generate", "--out", str(tmp_path / "r2"), *base,
+                                      "--skip-answered-in", str(tmp_path / "r1" / "train.jsonl"),
+                                      "--skip-answered-in", str(tmp_path / "r1" / "heldout.jsonl")])
+    assert second.exit_code == 0, second.output
+    stats = json.loads((tmp_path / "r2" / "stats.json").read_text())
+    assert (stats["skipped_already_answered"], stats["prompts"]) == (3, 4)
+    old, new = (read_sequences([tmp_path / r / "train.jsonl", tmp_path / r / "heldout.jsonl"]) for r in ("r1", "r2"))
+    assert len(old) == 3 and {s.prompt for s in old}.isdisjoint({s.prompt for s in new})
+
+
 def test_generate_refuses_bad_options(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["generate", "--out", str(tmp_path), "--dtype", "float16"])
     assert result.exit_code != 0 and "--dtype" in result.output
+    result = CliRunner().invoke(app, ["generate", "--out", str(tmp_path), "--skip-answered-in", str(tmp_path / "no.jsonl")])
+    words = " ".join(result.output.replace("│", " ").split())  # the error box wraps lines
+    assert result.exit_code == 2 and "--skip-answered-in: training data" in words and "does not exist" in words
