@@ -27,14 +27,15 @@ import types
 from pathlib import Path
 
 import torch
-from torch.utils.cpp_extension import load as build_extension
 
 from engine.attention import cache_dtype
 from engine.cpu_linear import optimize_for_cpu_inference
 from engine.fused_decode import FusedDecoder
 from engine.kv_cache import AttnBatch, KVCache
 from engine.loading import build_model, read_checkpoint
-from kernels.cpu_decode import _CFLAGS, _SOURCE
+from kernels.cpu_decode import compile_module
+
+KERNEL = Path(__file__).resolve().parent.parent / "kernels" / "cpu_decode.cpp"
 
 RESULTS = Path(__file__).parent / "results" / "verify_pass.json"
 ROWS = (1, 2, 3, 4, 8)
@@ -51,12 +52,11 @@ def parse_args() -> argparse.Namespace:
 
 def baseline_kernel(rev: str, workdir: Path) -> types.SimpleNamespace:
     """The kernel at `rev`, built under another module and class name so it loads beside ours."""
-    text = subprocess.run(["git", "show", f"{rev}:kernels/{_SOURCE.name}"], check=True, capture_output=True,
-                          text=True, cwd=_SOURCE.parent.parent).stdout
+    text = subprocess.run(["git", "show", f"{rev}:kernels/{KERNEL.name}"], check=True, capture_output=True,
+                          text=True, cwd=KERNEL.parent.parent).stdout
     source = workdir / "baseline_cpu_decode.cpp"
     source.write_text(re.sub(r"\bDecoder\b", "BaselineDecoder", text))
-    module = build_extension("baseline_cpu_decode", [str(source)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
-                             build_directory=str(workdir))
+    module = compile_module("baseline_cpu_decode", source, workdir)
     return types.SimpleNamespace(Decoder=module.BaselineDecoder)
 
 

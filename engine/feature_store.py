@@ -51,7 +51,8 @@ class FeatureStore:
         self.disk_bytes = disk_bytes
         if self.directory is not None:
             self.directory.mkdir(parents=True, exist_ok=True)
-        self.disk_used = sum(f.stat().st_size for f in self._files())
+        # Listed only under a cap: an uncapped store has no use for the size, and start-up stays one mkdir.
+        self.disk_used = sum(size for _, size, _ in self._file_stats()) if disk_bytes is not None else 0
         self.memory: dict[str, Features] = {}
         self.memory_used = 0
         self.disk_hits = self.misses = self.evicted = 0
@@ -79,20 +80,22 @@ class FeatureStore:
         self._remember(key, loaded)
         return loaded
 
-    def _files(self) -> list[Path]:
-        return list(self.directory.glob("*.safetensors")) if self.directory is not None else []
+    def _file_stats(self) -> list[tuple[float, int, Path]]:
+        """(last use, bytes, path) of every feature file in the directory."""
+        stats = []
+        for f in self.directory.glob("*.safetensors") if self.directory is not None else []:
+            try:
+                st = f.stat()
+            except FileNotFoundError:  # another run evicted it meanwhile
+                continue
+            stats.append((st.st_mtime, st.st_size, f))
+        return stats
 
     def _evict(self) -> None:
         """Delete the least recently used files until the directory is 10% under its cap (so that
         not every write lists the directory)."""
         assert self.disk_bytes is not None
-        files = []
-        for f in self._files():
-            try:
-                st = f.stat()
-            except FileNotFoundError:  # another run evicted it meanwhile
-                continue
-            files.append((st.st_mtime, st.st_size, f))
+        files = self._file_stats()
         self.disk_used = sum(size for _, size, _ in files)
         for _, size, f in sorted(files):
             if self.disk_used <= 0.9 * self.disk_bytes:

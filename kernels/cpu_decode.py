@@ -37,10 +37,17 @@ def load() -> ModuleType | None:
     """The compiled module (`linear`, `Decoder`), or None where this machine cannot build or run it."""
     if not torch.backends.mkldnn.is_available() or not cpu_has_avx512_bf16():
         return None
-    from torch.utils.cpp_extension import load as build
-
     try:
-        return build("specloop_cpu_decode", [str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"])
+        return compile_module("specloop_cpu_decode", _SOURCE)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
         log.warning("CPU decode kernels unavailable, using the eager path: %s", e)
         return None
+
+
+def compile_module(name: str, source: Path, build_directory: Path | None = None) -> ModuleType:
+    """Build (or reuse the cached build of) a kernel source as module `name`, with the flags above.
+    `load` uses it for this checkout's kernels; `benchmarks/verify_pass.py` for an older revision's."""
+    from torch.utils.cpp_extension import load as build
+
+    return build(name, [str(source)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                 build_directory=None if build_directory is None else str(build_directory))
