@@ -4,8 +4,9 @@ Systems, all greedy on the same held-out prompts (the `prompt_token_ids` of `--h
 drafter never trained on), `--new-tokens` at most each, end-of-sequence honoured:
 
 - our engine without speculation (the baseline every speedup is against);
-- our engine with n-gram prompt lookup, with the DFlash drafter (`--drafter`), and with both
-  (`CombinedProposer`: n-gram when it matched, DFlash otherwise), at several block sizes each;
+- our engine with n-gram prompt lookup, with the DFlash drafter (`--drafter`; several compare
+  drafters, their rows named by directory), and with both (`CombinedProposer`: n-gram when it
+  matched, DFlash otherwise), at several block sizes each;
 - transformers' `generate`, plain and with `prompt_lookup_num_tokens` (its n-gram lookup);
 - llama.cpp's plain decoding (`llama_cpp`, the GGUF's own Q4_1 weights) as a reference column when
   it is installed; it is not a dependency.
@@ -96,19 +97,21 @@ def engine_runner(model: Transformer, eos: tuple[int, ...], max_len: int, propos
     return run
 
 
-def engine_runners(model: Transformer, eos: tuple[int, ...], max_len: int, drafter: DFlashDrafter | None,
+def engine_runners(model: Transformer, eos: tuple[int, ...], max_len: int, drafters: dict[str, DFlashDrafter],
                    ngram_blocks: list[int], dflash_blocks: list[int]) -> dict[str, tuple[int | None, Runner]]:
-    """Our engine plain, with each n-gram and DFlash block size, and combined at each n-gram block size."""
+    """Our engine plain, with each n-gram and DFlash block size, and combined at each n-gram block
+    size; with several drafters each DFlash row ends in its drafter's name."""
     runners: dict[str, tuple[int | None, Runner]] = {PLAIN: (None, engine_runner(model, eos, max_len, None))}
     for b in ngram_blocks:
         runners[f"specloop + n-gram B={b}"] = (b, engine_runner(model, eos, max_len, NgramProposer(b)))
-    if drafter is None:
-        return runners
-    for b in dflash_blocks:
-        runners[f"specloop + DFlash B={b}"] = (b, engine_runner(model, eos, max_len, DFlashProposer(drafter, model, b)))
-    for b in ngram_blocks:
-        combined = CombinedProposer(DFlashProposer(drafter, model, b), NgramProposer(b))
-        runners[f"specloop + DFlash & n-gram B={b}"] = (b, engine_runner(model, eos, max_len, combined))
+    for name, drafter in drafters.items():
+        tag = f" ({name})" if len(drafters) > 1 else ""
+        for b in dflash_blocks:
+            runners[f"specloop + DFlash B={b}{tag}"] = (b, engine_runner(model, eos, max_len,
+                                                                         DFlashProposer(drafter, model, b)))
+        for b in ngram_blocks:
+            combined = CombinedProposer(DFlashProposer(drafter, model, b), NgramProposer(b))
+            runners[f"specloop + DFlash & n-gram B={b}{tag}"] = (b, engine_runner(model, eos, max_len, combined))
     return runners
 
 
@@ -228,8 +231,8 @@ def parse_args() -> argparse.Namespace:
     # `specloop train-drafter` on its train.jsonl writes the drafter.
     parser.add_argument("--heldout", type=Path, required=True,
                         help="JSONL or Parquet with prompt_token_ids (held out from drafter training)")
-    parser.add_argument("--drafter", type=Path, default=None,
-                        help="DFlash drafter artifact directory; DFlash systems are skipped when it is missing")
+    parser.add_argument("--drafter", type=Path, nargs="+", default=[],
+                        help="DFlash drafter artifact directories; DFlash systems are skipped for a missing one")
     parser.add_argument("--prompts", type=int, default=4, help="use the first N held-out prompts")
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2, help="rounds over all systems")
@@ -243,6 +246,9 @@ def parse_args() -> argparse.Namespace:
     for field in ("prompts", "new_tokens", "repeats", "lookup_tokens"):
         if getattr(args, field) < 1:
             raise ValueError(f"--{field.replace('_', '-')} must be >= 1, got {getattr(args, field)}")
+    names = [p.name for p in args.drafter]
+    if len(set(names)) < len(names):
+        raise ValueError(f"--drafter directories must have distinct names (rows are named by them), got {names}")
     return args
 
 
@@ -254,12 +260,12 @@ def load_prompts(path: Path, n: int) -> list[list[int]]:
 
 
 def build_runners(args: argparse.Namespace, ckpt: Checkpoint, gguf: Path, prompts: list[list[int]],
-                  drafter: DFlashDrafter | None) -> dict[str, tuple[int | None, Runner]]:
+                  drafters: dict[str, DFlashDrafter]) -> dict[str, tuple[int | None, Runner]]:
     device, dtype, eos = torch.device(args.device), DTYPES[args.dtype], ckpt.tokenizer.eos_token_ids
     max_len = max(len(p) for p in prompts) + args.new_tokens + 1
     # transformers gets its own model: `optimize_for_cpu_inference` swaps our layers in place.
     ours = optimize_for_cpu_inference(build_model(ckpt, dtype, device))
-    runners = engine_runners(ours, eos, max_len, drafter, args.ngram_blocks, args.dflash_blocks)
+    runners = engine_runners(ours, eos, max_len, drafters, args.ngram_blocks, args.dflash_blocks)
     hf = transformers_llama(ckpt, dtype, device)
     runners["transformers"] = (None, transformers_runner(hf, eos, None))
     runners[f"transformers prompt lookup ({args.lookup_tokens})"] = (args.lookup_tokens + 1,
@@ -275,12 +281,13 @@ def main() -> None:
     gguf, ckpt = read_checkpoint(None)
     prompts = load_prompts(args.heldout, args.prompts)
     fingerprint = base_model_fingerprint(ckpt.weights_digest, ckpt.config, ckpt.tokenizer)
-    drafter = None
-    if args.drafter is not None and args.drafter.is_dir():
-        drafter = load_drafter(args.drafter, fingerprint, args.device, DTYPES[args.dtype]).drafter
-    else:
-        print(f"no drafter at {args.drafter}: DFlash systems skipped")
-    runners = build_runners(args, ckpt, gguf, prompts, drafter)
+    drafters = {}
+    for path in args.drafter:
+        if path.is_dir():
+            drafters[path.name] = load_drafter(path, fingerprint, args.device, DTYPES[args.dtype]).drafter
+        else:
+            print(f"no drafter at {path}: its DFlash systems skipped")
+    runners = build_runners(args, ckpt, gguf, prompts, drafters)
     started = time.perf_counter()
     tallies = measure(runners, prompts, args.new_tokens, args.repeats, ckpt.tokenizer.eos_token_ids)
     rows = rows_from(tallies, {name: block for name, (block, _) in runners.items()})
@@ -298,7 +305,7 @@ def main() -> None:
         "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]},
         "torch": torch.__version__,
         "heldout": str(args.heldout),
-        "drafter": str(args.drafter) if drafter is not None else None,
+        "drafters": [str(p) for p in args.drafter if p.name in drafters],
         "prompts": len(prompts),
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,

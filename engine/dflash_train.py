@@ -49,9 +49,10 @@ CHECKPOINT = "checkpoint.pt"
 @dataclass(frozen=True)
 class TrainConfig:
     out_dir: str
-    num_layers: int = 1
-    num_taps: int = 5
-    block_size: int = 16
+    # Drafter shape; None: 1 layer, 5 taps, block 16 for a new drafter, the warm start's own otherwise.
+    num_layers: int | None = None
+    num_taps: int | None = None
+    block_size: int | None = None
     max_steps: int = 1000
     max_seconds: float | None = None
     batch_size: int = 4
@@ -81,12 +82,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_taps", "max_steps", "batch_size", "num_anchors", "eval_every",
                      "patience", "checkpoint_every"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.block_size < 2:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        if self.block_size is not None and self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
-        if self.max_seq_len < self.block_size + 1:
-            raise ValueError(f"max_seq_len must exceed block_size, got {self.max_seq_len}")
         if self.lr <= 0 or self.gamma <= 0 or self.grad_clip <= 0:
             raise ValueError(f"lr, gamma and grad_clip must be > 0, got {self.lr}, {self.gamma}, {self.grad_clip}")
         if not 0 <= self.warmup_ratio < 1:
@@ -255,12 +255,14 @@ class TrainResult:
 
 def build_drafter(cfg: TrainConfig, target: Transformer, fingerprint: str, train: list[TokenSequence]) -> DFlashDrafter:
     """A fresh drafter for `target`, or the warm-start artifact's drafter (its trimmed vocabulary
-    widened to the new responses' tokens when `trim_vocab`)."""
+    widened to the new responses' tokens when `trim_vocab`, reshaped by `reconfigure`)."""
     vocab = sorted({t for s in train for t in s.response}) if cfg.trim_vocab else None
     if cfg.init_from:
         drafter = load_drafter(cfg.init_from, fingerprint).drafter
-        return widen_vocab(drafter, vocab) if vocab is not None and drafter.trimmed else drafter
-    dcfg = DFlashConfig.for_target(target.config, cfg.num_layers, cfg.num_taps, cfg.block_size)
+        drafter = widen_vocab(drafter, vocab) if vocab is not None and drafter.trimmed else drafter
+        return reconfigure(drafter, cfg)
+    shape = {"num_layers": cfg.num_layers, "num_taps": cfg.num_taps, "block_size": cfg.block_size}
+    dcfg = DFlashConfig.for_target(target.config, **{k: v for k, v in shape.items() if v is not None})
     if vocab is not None:
         dcfg = DFlashConfig(**{**asdict(dcfg), "output_vocab_size": len(vocab)})
     with torch.random.fork_rng(devices=[]):
@@ -291,6 +293,39 @@ def widen_vocab(drafter: DFlashDrafter, tokens: list[int]) -> DFlashDrafter:
     return wide.to(dtype=next(drafter.parameters()).dtype)
 
 
+def reconfigure(drafter: DFlashDrafter, cfg: TrainConfig) -> DFlashDrafter:
+    """The warm-start `drafter` with the depth and block size `cfg` asks for; every learned weight
+    carries over and its outputs are unchanged.
+
+    Appended layers start with zero output projections (attention `o`, MLP `down`), so they add
+    nothing to the residual stream until training moves those off zero (the README's fifth round
+    measures what a second layer bought). No weight depends on the block size, so it may change;
+    the tapped layers may not (the fusion layer is sized for them), nor may a drafter lose layers.
+    """
+    c = drafter.config
+    if cfg.num_taps is not None and cfg.num_taps != len(c.tap_layers):
+        raise ValueError(f"num_taps {cfg.num_taps} differs from the warm-start drafter's {len(c.tap_layers)} "
+                         "(its fusion layer is sized for them)")
+    if cfg.num_layers is not None and cfg.num_layers < c.num_layers:
+        raise ValueError(f"num_layers {cfg.num_layers} is fewer than the warm-start drafter's {c.num_layers}; "
+                         "a drafter cannot be made shallower")
+    changes = {k: v for k, v in (("num_layers", cfg.num_layers), ("block_size", cfg.block_size))
+               if v is not None and v != getattr(c, k)}
+    if not changes:
+        return drafter
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        new = DFlashDrafter(DFlashConfig(**{**asdict(c), **changes}))
+    missing, unexpected = new.load_state_dict(drafter.state_dict(), strict=False)
+    added = tuple(f"layers.{i}." for i in range(c.num_layers, new.config.num_layers))
+    assert not unexpected and all(k.startswith(added) for k in missing), (missing, unexpected)
+    with torch.no_grad():
+        for layer in new.layers[c.num_layers:]:
+            layer.o.weight.zero_()
+            layer.mlp.down.weight.zero_()
+    return new.to(dtype=next(drafter.parameters()).dtype)
+
+
 def _label_map(drafter: DFlashDrafter, device: torch.device) -> torch.Tensor | None:
     if not drafter.trimmed:
         return None
@@ -313,6 +348,8 @@ class Trainer:
         self.data_digest = digest(usable)
         self.device = target.device
         self.drafter = build_drafter(cfg, target, fingerprint, self.train_set).to(self.device).float()
+        if cfg.max_seq_len <= self.drafter.config.block_size:
+            raise ValueError(f"max_seq_len must exceed the block size {self.drafter.config.block_size}, got {cfg.max_seq_len}")
         self.label_map = _label_map(self.drafter, self.device)
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.step, self.elapsed, self.bad_evals = 0, 0.0, 0

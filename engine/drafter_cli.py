@@ -46,9 +46,11 @@ def train_drafter(
     model: Annotated[str | None, _MODEL] = None,
     dtype: str = "float32",
     device: Annotated[str | None, _DEVICE] = None,
-    layers: int = 1,
-    taps: int = 5,
-    block_size: int = 16,
+    layers: Annotated[int | None, typer.Option(
+        help="Drafter layers (default 1; with --init-from the artifact's, and more appends layers)")] = None,
+    taps: Annotated[int | None, typer.Option(help="Tapped target layers (default 5; with --init-from the artifact's)")] = None,
+    block_size: Annotated[int | None, typer.Option(
+        help="Trained block size (default 16; with --init-from the artifact's)")] = None,
     steps: int = 1000,
     max_minutes: Annotated[float | None, typer.Option(
         help="Wall-clock budget; the LR anneals over it when it ends first")] = None,

@@ -191,6 +191,46 @@ def test_trimmed_vocabulary_and_warm_start(tmp_path: Path) -> None:
     assert kept.drafter.vocab_ids.tolist() == [5, 6, 7]
 
 
+def block_outputs(drafter: torch.nn.Module) -> torch.Tensor:
+    """The drafter's final hidden states `[1, 4, H]` for one fixed block over a fixed random context."""
+    g = torch.Generator().manual_seed(3)
+    H, T = drafter.config.hidden_size, 6
+    fused = torch.randn(1, T, H, generator=g)
+    ctx = drafter.context_kv(fused, torch.arange(T).unsqueeze(0))
+    x = torch.randn(1, 4, H, generator=g)
+    return drafter.run_blocks(x, torch.arange(T, T + 4).unsqueeze(0), ctx, torch.ones(1, 1, 4, T + 4, dtype=torch.bool))
+
+
+def test_warm_start_reshapes_the_drafter_without_changing_its_outputs(tmp_path: Path) -> None:
+    seqs = cycling(12)
+    cfg = config(tmp_path / "one", max_steps=6, heldout_fraction=0.0)
+    Trainer(cfg, tiny_target(), "fp", seqs).run()
+    shallow = load_drafter(tmp_path / "one", "fp").drafter
+    deep = Trainer(replace(cfg, out_dir=str(tmp_path / "two"), init_from=str(tmp_path / "one"), num_layers=2),
+                   tiny_target(), "fp", seqs)
+    assert deep.drafter.config.num_layers == 2
+    with torch.no_grad():
+        torch.testing.assert_close(block_outputs(deep.drafter), block_outputs(shallow))
+    deep.run()
+    grown = load_drafter(tmp_path / "two", "fp").drafter
+    assert grown.config.num_layers == 2 and grown.layers[1].o.weight.abs().sum() > 0  # the new layer learned
+    same = Trainer(replace(cfg, out_dir=str(tmp_path / "same"), init_from=str(tmp_path / "two"), num_layers=None),
+                   tiny_target(), "fp", seqs)
+    assert same.drafter.config.num_layers == 2  # no --layers: the artifact's depth
+    with pytest.raises(ValueError, match="fewer than the warm-start drafter's 2"):
+        Trainer(replace(cfg, out_dir=str(tmp_path / "x"), init_from=str(tmp_path / "two"), num_layers=1),
+                tiny_target(), "fp", seqs)
+    with pytest.raises(ValueError, match="num_taps 3 differs from the warm-start drafter's 2"):
+        Trainer(replace(cfg, out_dir=str(tmp_path / "x"), init_from=str(tmp_path / "two"), num_layers=None, num_taps=3),
+                tiny_target(), "fp", seqs)
+    # No weight depends on the block size, so a warm start may train another one.
+    wider = Trainer(replace(cfg, out_dir=str(tmp_path / "b6"), init_from=str(tmp_path / "two"), num_layers=None,
+                            block_size=6), tiny_target(), "fp", seqs)
+    assert wider.drafter.config.block_size == 6
+    with torch.no_grad():
+        torch.testing.assert_close(block_outputs(wider.drafter), block_outputs(grown))
+
+
 def test_epochs_are_permutations_in_batches_of_similar_length(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(2)
     seqs = [TokenSequence((1, 2), tuple(range(3, 3 + int(n)))) for n in torch.randint(2, 60, (64,), generator=g)]
