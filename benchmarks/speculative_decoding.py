@@ -287,6 +287,8 @@ def main() -> None:
             drafters[path.name] = load_drafter(path, fingerprint, args.device, DTYPES[args.dtype]).drafter
         else:
             print(f"no drafter at {path}: its DFlash systems skipped")
+    if not args.drafter:
+        print("no --drafter: DFlash systems skipped")
     runners = build_runners(args, ckpt, gguf, prompts, drafters)
     started = time.perf_counter()
     tallies = measure(runners, prompts, args.new_tokens, args.repeats, ckpt.tokenizer.eos_token_ids)
