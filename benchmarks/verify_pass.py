@@ -33,9 +33,7 @@ from engine.cpu_linear import optimize_for_cpu_inference
 from engine.fused_decode import FusedDecoder
 from engine.kv_cache import AttnBatch, KVCache
 from engine.loading import build_model, read_checkpoint
-from kernels.cpu_decode import compile_module
-
-KERNEL = Path(__file__).resolve().parent.parent / "kernels" / "cpu_decode.cpp"
+from kernels.cpu_decode import SOURCE as KERNEL, compile_module
 
 RESULTS = Path(__file__).parent / "results" / "verify_pass.json"
 ROWS = (1, 2, 3, 4, 8)

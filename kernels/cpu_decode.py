@@ -19,7 +19,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 _CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
 
 
@@ -38,7 +38,7 @@ def load() -> ModuleType | None:
     if not torch.backends.mkldnn.is_available() or not cpu_has_avx512_bf16():
         return None
     try:
-        return compile_module("specloop_cpu_decode", _SOURCE)
+        return compile_module("specloop_cpu_decode", SOURCE)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
         log.warning("CPU decode kernels unavailable, using the eager path: %s", e)
         return None
