@@ -5,9 +5,12 @@ keys/values at the observed positions (a `KVCache` laid out like the target's, o
 sequence). `propose` runs the block `[last token, mask × k]` at positions `ctx_len .. ctx_len+k`
 against the first `ctx_len` context rows of each slot (ragged lengths handled by a key mask) and
 returns argmax drafts through the target's own LM head, which is borrowed, never copied into the
-artifact. The block's own K/V are never cached: each propose starts from the context alone. On the
-CPU the drafter's linears and head run as `CpuLinear`s, like the target's (a 4-token block is a
-small pass, which the C++ kernel serves best).
+artifact. The block's own K/V are never cached: each propose starts from the context alone.
+
+On the CPU both run in the C++ kernel (`FusedDrafter` in `engine/fused_decode.py`) when it builds:
+the block pass in one call instead of some 40 small eager ops, and the context writes in one call
+after the fusion linear. The head runs as a `CpuLinear`, like the target's. Elsewhere, and for
+blocks too large for the kernel, the eager path below.
 
 Not here: the drafter maths (`engine/dflash.py`), acceptance (`engine/speculation.py`).
 """
@@ -17,6 +20,7 @@ from torch import nn
 
 from engine.cpu_linear import for_cpu_inference, optimize_for_cpu_inference
 from engine.dflash import DFlashDrafter
+from engine.fused_decode import fused_drafter
 from engine.attention import cache_dtype
 from engine.kv_cache import AttnBatch, KVCache
 from engine.model import Transformer
@@ -35,6 +39,7 @@ class DFlashProposer(Proposer):
         self.block_size = block_size
         self.tap_layers = c.tap_layers
         self.head = _head(drafter, target)
+        self.fused = fused_drafter(self.drafter)  # the C++ block pass on the CPU; None elsewhere
         self.cache: KVCache | None = None
 
     def allocate(self, num_slots: int, max_len: int) -> None:
@@ -44,9 +49,12 @@ class DFlashProposer(Proposer):
     @torch.no_grad()
     def observe(self, slots: list[int], starts: list[int], taps: list[torch.Tensor], token_ids: torch.Tensor) -> None:
         assert self.cache is not None, "allocate() before observe()"
-        B, n = token_ids.shape
-        batch = AttnBatch.build(slots, starts, n, self.target.device, self.cache.max_len)
+        n = token_ids.shape[1]
         fused = self.drafter.fuse(taps)  # [B, n, H]
+        if self.fused is not None and self.cache.k.dtype == torch.float32:
+            self.fused.write_context(fused, slots, starts, self.cache)
+            return
+        batch = AttnBatch.build(slots, starts, n, self.target.device, self.cache.max_len)
         for layer, (k, v) in enumerate(self.drafter.context_kv(fused, batch.positions)):
             self.cache.write(layer, batch, k, v)
 
@@ -60,19 +68,28 @@ class DFlashProposer(Proposer):
     def block_logits(self, slots: list[int], ctx_lens: list[int], last_tokens: torch.Tensor) -> torch.Tensor:
         """Draft logits `[B, k, V']` over the drafter's output vocabulary."""
         assert self.cache is not None, "allocate() before propose()"
-        device, bs = self.target.device, self.block_size
-        B, T = len(slots), max(ctx_lens)
+        device, B = self.target.device, len(slots)
         slot_t = torch.tensor(slots, dtype=torch.long, device=device)
         lens = torch.tensor(ctx_lens, dtype=torch.long, device=device)
+        x = self.drafter.embed_block(last_tokens.to(device).view(B, 1), self.block_size, self.target.embed)  # [B, bs, H]
+        if self.fused is not None and self.fused.accepts(B, self.block_size, self.cache):
+            hidden = self.fused.forward(x, slot_t, lens, self.cache)
+        else:
+            hidden = self._run_eager(x, slot_t, lens)
+        return self.head(hidden[:, 1:]).float()
+
+    def _run_eager(self, x: torch.Tensor, slot_t: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """Blocks x `[B, bs, H]` at positions `lens[b] ..` of `slot_t[b]` → final-normed hidden `[B, bs, H]`."""
+        assert self.cache is not None
+        B, bs, _ = x.shape
+        T, device = int(lens.max()), x.device
         ctx = [(self.cache.k[i, slot_t, :, :T], self.cache.v[i, slot_t, :, :T])  # [B, Hkv, T, D]
                for i in range(self.drafter.config.num_layers)]
         sees_ctx = torch.arange(T, device=device).view(1, -1) < lens.view(-1, 1)  # [B, T]
         mask = torch.cat([sees_ctx, torch.ones(B, bs, dtype=torch.bool, device=device)], dim=1)
         mask = mask.view(B, 1, 1, T + bs).expand(B, 1, bs, T + bs)
         positions = lens.view(-1, 1) + torch.arange(bs, device=device)  # [B, bs]
-        x = self.drafter.embed_block(last_tokens.to(device).view(B, 1), bs, self.target.embed)  # [B, bs, H]
-        hidden = self.drafter.run_blocks(x, positions, ctx, mask)  # [B, bs, H]
-        return self.head(hidden[:, 1:]).float()
+        return self.drafter.run_blocks(x, positions, ctx, mask)
 
 
 def _head(drafter: DFlashDrafter, target: Transformer) -> nn.Module:

@@ -10,6 +10,8 @@
 //
 // What it is: `linear` (y = x W^T + b for up to a few dozen rows) and `Decoder`, which holds one
 // model's weights and runs rows of tokens through every layer against the model's fp32 KV cache.
+// A DFlash drafter's layers are such a model too: `forward(..., block=true)` runs a draft block and
+// `context` writes the keys/values of its context features.
 // What it is not: prefill of long prompts (oneDNN's blocked GEMM wins there), training (no autograd),
 // or anything off the CPU. The Python side (`engine/fused_decode.py`) decides when it applies.
 //
@@ -389,9 +391,77 @@ class Decoder {
   // Row m writes its key/value at (slots[b], positions[b, j]) and attends to positions <= its own
   // in that slot. Returns the final-normed hidden states [M, H] and the outputs of the layers in
   // `taps`, in the model's dtype.
+  //
+  // With `block`, each sequence's n rows are one block at consecutive positions p .. p+n-1 (a DFlash
+  // draft): every row sees the cached positions < p and all n rows of its block, both ways, and the
+  // cache is only read (its rows from p on may hold context that a later pass reads).
   std::tuple<at::Tensor, std::vector<at::Tensor>> forward(const at::Tensor& x, const at::Tensor& slots,
                                                           const at::Tensor& positions, at::Tensor k_cache,
-                                                          at::Tensor v_cache, std::vector<int64_t> taps) {
+                                                          at::Tensor v_cache, std::vector<int64_t> taps,
+                                                          bool block) {
+    const auto [slot, pos] = places(x, slots, positions, k_cache, v_cache);
+    const int64_t M = x.size(0), n = positions.size(1);
+    for (int64_t m = 0; m < M; ++m)
+      TORCH_CHECK(!block || pos[m] == pos[m / n * n] + m % n, "block: positions must be consecutive");
+    auto resid = x.to(at::kFloat, false, /*copy=*/true).contiguous();  // [M, H] fp32, updated in place
+    auto out = at::empty({M, hidden_}, resid.options());
+    std::vector<at::Tensor> tapped;
+    {
+      pybind11::gil_scoped_release nogil;
+      Scratch s(M, hidden_, (hq_ + 2 * hkv_) * d_, hq_ * d_, inter_);
+      for (int64_t li = 0; li < (int64_t)layers_.size(); ++li) {
+        attention_block(layers_[li], li, resid.data_ptr<float>(), M, n, slot, pos, k_cache, v_cache, block, s);
+        mlp_block(layers_[li], resid.data_ptr<float>(), M, s);
+        if (std::find(taps.begin(), taps.end(), li) != taps.end())
+          tapped.push_back(resid.to(dtype_, false, /*copy=*/true));
+      }
+      float* r = resid.data_ptr<float>();
+      float* o = out.data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m) rms_norm(r + m * hidden_, f32(final_norm_), eps_, hidden_, o + m * hidden_);
+    }
+    return {out.to(dtype_), tapped};
+  }
+
+  // A DFlash drafter's context: x [M, H] (the model's dtype) holds fused target features of rows
+  // m = b * n + j. Each layer's key (QK-normed, rotated) and value of each row go into the cache at
+  // (slots[b], positions[b, j]); nothing else is computed (no queries, no attention).
+  void context(const at::Tensor& x, const at::Tensor& slots, const at::Tensor& positions, at::Tensor k_cache,
+               at::Tensor v_cache) {
+    const auto [slot, pos] = places(x, slots, positions, k_cache, v_cache);
+    const int64_t M = x.size(0), S = k_cache.size(1), T = k_cache.size(3);
+    const int64_t kv_size = hkv_ * d_, q_tiles = hq_ * d_ / TILE;
+    TORCH_CHECK(hq_ * d_ % TILE == 0, "q rows: expected a multiple of the tile height");
+    const auto xf = x.to(at::kFloat).contiguous();
+    std::vector<float> kv(M * 2 * kv_size);
+    std::vector<bf16> rounded;
+    pybind11::gil_scoped_release nogil;
+    for (int64_t li = 0; li < (int64_t)layers_.size(); ++li) {
+      const Layer& l = layers_[li];
+      // The key and value rows of the packed [q | k | v] matrix: whole tiles, since q_size % 4 == 0.
+      const Packed w{l.qkv.tiles.narrow(0, q_tiles, l.qkv.tiles.size(0) - q_tiles), 2 * kv_size};
+      matmul(f32(xf), w, l.qkv_bias.defined() ? f32(l.qkv_bias) + hq_ * d_ : nullptr, kv.data(), M, rounded);
+      float* kbase = k_cache.data_ptr<float>() + li * S * hkv_ * T * d_;
+      float* vbase = v_cache.data_ptr<float>() + li * S * hkv_ * T * d_;
+      for (int64_t m = 0; m < M; ++m) {
+        float* row = kv.data() + m * 2 * kv_size;
+        for (int64_t g = 0; g < hkv_; ++g) {
+          float* head = row + g * d_;
+          if (l.k_norm.defined()) rms_norm(head, f32(l.k_norm), eps_, d_, head);
+          rope_head(head, f32(cos_) + pos[m] * d_, f32(sin_) + pos[m] * d_, d_);
+          const int64_t at = ((slot[m] * hkv_ + g) * T + pos[m]) * d_;
+          std::memcpy(kbase + at, head, d_ * sizeof(float));
+          std::memcpy(vbase + at, row + kv_size + g * d_, d_ * sizeof(float));
+        }
+      }
+    }
+  }
+
+ private:
+  // Checks a pass's arguments (x [M, H], positions [B, n] with B n = M, the fp32 cache) and returns
+  // each row's slot and position, before anything is written.
+  std::pair<std::vector<int64_t>, std::vector<int64_t>> places(const at::Tensor& x, const at::Tensor& slots,
+                                                               const at::Tensor& positions, const at::Tensor& k_cache,
+                                                               const at::Tensor& v_cache) const {
     TORCH_CHECK(x.scalar_type() == dtype_ && x.dim() == 2 && x.size(1) == hidden_,
                 "x: expected [M, H] in the model's dtype");
     TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -410,26 +480,9 @@ class Decoder {
       TORCH_CHECK(pos[m] >= 0 && pos[m] < T && pos[m] < cos_.size(0), "position out of range");
       TORCH_CHECK(slot[m] >= 0 && slot[m] < k_cache.size(1), "slot out of range");
     }
-    auto resid = x.to(at::kFloat, false, /*copy=*/true).contiguous();  // [M, H] fp32, updated in place
-    auto out = at::empty({M, hidden_}, resid.options());
-    std::vector<at::Tensor> tapped;
-    {
-      pybind11::gil_scoped_release nogil;
-      Scratch s(M, hidden_, (hq_ + 2 * hkv_) * d_, hq_ * d_, inter_);
-      for (int64_t li = 0; li < (int64_t)layers_.size(); ++li) {
-        attention_block(layers_[li], li, resid.data_ptr<float>(), M, n, slot, pos, k_cache, v_cache, s);
-        mlp_block(layers_[li], resid.data_ptr<float>(), M, s);
-        if (std::find(taps.begin(), taps.end(), li) != taps.end())
-          tapped.push_back(resid.to(dtype_, false, /*copy=*/true));
-      }
-      float* r = resid.data_ptr<float>();
-      float* o = out.data_ptr<float>();
-      for (int64_t m = 0; m < M; ++m) rms_norm(r + m * hidden_, f32(final_norm_), eps_, hidden_, o + m * hidden_);
-    }
-    return {out.to(dtype_), tapped};
+    return {slot, pos};
   }
 
- private:
   struct Scratch {
     std::vector<float> normed, qkv, attn, proj, gate_up, act;
     std::vector<bf16> rounded;
@@ -437,9 +490,9 @@ class Decoder {
         : normed(M * H), qkv(M * qkv_rows), attn(M * q_size), proj(M * H), gate_up(M * 2 * inter), act(M * inter) {}
   };
 
-  // Rows m = b * n + j: n tokens of each sequence b, all in slot[b * n].
+  // Rows m = b * n + j: n tokens of each sequence b, all in slot[b * n]. `block`: see `forward`.
   void attention_block(const Layer& l, int64_t li, float* resid, int64_t M, int64_t n, const std::vector<int64_t>& slot,
-                       const std::vector<int64_t>& pos, at::Tensor& kc, at::Tensor& vc, Scratch& s) {
+                       const std::vector<int64_t>& pos, at::Tensor& kc, at::Tensor& vc, bool block, Scratch& s) {
     const int64_t H = hidden_, rows = (hq_ + 2 * hkv_) * d_, q_size = hq_ * d_, kv_size = hkv_ * d_;
     for (int64_t m = 0; m < M; ++m) rms_norm(resid + m * H, f32(l.input_norm), eps_, H, s.normed.data() + m * H);
     matmul(s.normed.data(), l.qkv, l.qkv_bias.defined() ? f32(l.qkv_bias) : nullptr, s.qkv.data(), M, s.rounded);
@@ -447,7 +500,7 @@ class Decoder {
     float* kbase = kc.data_ptr<float>() + li * S * hkv_ * T * d_;
     float* vbase = vc.data_ptr<float>() + li * S * hkv_ * T * d_;
     // Queries and keys: rows [q heads | k heads | v heads] of `qkv`, normed (Qwen3) and rotated in place;
-    // then every row's key and value goes into the cache before any row attends.
+    // then every row's key and value goes into the cache before any row attends (not for a block).
     for (int64_t m = 0; m < M; ++m) {
       float* row = s.qkv.data() + m * rows;
       const float* c = f32(cos_) + pos[m] * d_;
@@ -457,7 +510,7 @@ class Decoder {
         if (l.q_norm.defined()) rms_norm(head, f32(h < hq_ ? l.q_norm : l.k_norm), eps_, d_, head);
         rope_head(head, c, sn, d_);
       }
-      for (int64_t g = 0; g < hkv_; ++g) {
+      for (int64_t g = 0; g < hkv_ && !block; ++g) {
         const int64_t at = ((slot[m] * hkv_ + g) * T + pos[m]) * d_;
         std::memcpy(kbase + at, row + q_size + g * d_, d_ * sizeof(float));
         std::memcpy(vbase + at, row + q_size + kv_size + g * d_, d_ * sizeof(float));
@@ -468,18 +521,37 @@ class Decoder {
     // One task per (sequence, KV head): its block's rows times the group's query heads share each
     // key and value load.
     at::parallel_for(0, (M / n) * hkv_, 1, [&](int64_t t0, int64_t t1) {
-      std::vector<float> scores;
+      std::vector<float> scores, keys, values;
       std::vector<QueryRow> qrows;
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t b = t / hkv_, g = t % hkv_;
         const int64_t base = (slot[b * n] * hkv_ + g) * T * d_;
+        const float* k = kbase + base;
+        const float* v = vbase + base;
+        if (block) {
+          // The cached context then the block's own rows, contiguous as `attend` reads them: a copy
+          // of the context (128 KB at 500 positions) instead of writing into the cache.
+          const int64_t ctx = pos[b * n];
+          keys.resize((ctx + n) * d_);
+          values.resize((ctx + n) * d_);
+          std::memcpy(keys.data(), k, ctx * d_ * sizeof(float));
+          std::memcpy(values.data(), v, ctx * d_ * sizeof(float));
+          for (int64_t j = 0; j < n; ++j) {
+            const float* row = s.qkv.data() + (b * n + j) * rows + q_size + g * d_;
+            std::memcpy(keys.data() + (ctx + j) * d_, row, d_ * sizeof(float));
+            std::memcpy(values.data() + (ctx + j) * d_, row + kv_size, d_ * sizeof(float));
+          }
+          k = keys.data();
+          v = values.data();
+        }
         qrows.clear();
         for (int64_t j = 0; j < n; ++j)
           for (int64_t h = g * group; h < (g + 1) * group; ++h) {
             const int64_t m = b * n + j;
-            qrows.push_back({s.qkv.data() + m * rows + h * d_, pos[m] + 1, s.attn.data() + m * q_size + h * d_});
+            const int64_t len = block ? pos[b * n] + n : pos[m] + 1;
+            qrows.push_back({s.qkv.data() + m * rows + h * d_, len, s.attn.data() + m * q_size + h * d_});
           }
-        attend(qrows, kbase + base, vbase + base, d_, scale, scores);
+        attend(qrows, k, v, d_, scale, scores);
       }
     });
     matmul(s.attn.data(), l.o, nullptr, s.proj.data(), M, s.rounded);
@@ -510,5 +582,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t,
                           int64_t, double>())
-      .def("forward", &Decoder::forward);
+      .def("forward", &Decoder::forward, pybind11::arg("x"), pybind11::arg("slots"), pybind11::arg("positions"),
+           pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("taps"), pybind11::arg("block") = false)
+      .def("context", &Decoder::context);
 }

@@ -4,7 +4,9 @@ Checks what the engine relies on: hidden states, taps and cache contents agree w
 reference (same rounded weights) within a tolerance per dtype across decode, multi-token blocks, scattered
 slots and ragged starts; a row's result does not depend on the rest of its batch, nor a token's on
 the block it is verified in; and greedy
-speculation stays token-identical to plain decoding with the kernel in the loop.
+speculation stays token-identical to plain decoding with the kernel in the loop. A DFlash drafter's
+context keys/values and block pass agree with the eager drafter's, and a block pass leaves the
+context cache as it was.
 """
 
 import copy
@@ -16,7 +18,9 @@ import torch
 
 from engine.config import ModelConfig
 from engine.cpu_linear import optimize_for_cpu_inference
-from engine.fused_decode import FusedDecoder, supports
+from engine.dflash import DFlashConfig, DFlashDrafter
+from engine.dflash_proposer import DFlashProposer
+from engine.fused_decode import FusedDecoder, FusedDrafter, supports
 from engine.kv_cache import AttnBatch, KVCache
 from engine.llm_engine import EngineConfig, LLMEngine
 from engine.loading import load_model
@@ -162,3 +166,60 @@ def test_attaches_only_where_it_applies(tiny_llama_dir: Path) -> None:
     model = load_model(tiny_llama_dir, torch.bfloat16, torch.device("cpu")).model
     assert supports(model)
     assert optimize_for_cpu_inference(model, fused=False).fused_decoder is None
+
+
+def kernel_target_and_drafter(dtype: torch.dtype) -> tuple[Transformer, DFlashDrafter]:
+    """A random 6-layer target the kernel takes (the DFlash tests' tiny target is too narrow for
+    it) and a random 2-layer drafter of block 4 for it."""
+    config = ModelConfig(arch="llama", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=6,
+                         num_heads=4, num_kv_heads=2, head_dim=16, max_position=128)
+    torch.manual_seed(0)
+    target = optimize_for_cpu_inference(Transformer(config).to(dtype).eval().requires_grad_(False))
+    drafter = DFlashDrafter(DFlashConfig.for_target(config, num_layers=2, num_taps=3, block_size=4))
+    with torch.no_grad():
+        drafter.mask_embedding.normal_()
+    return target, drafter
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_drafter_block_matches_the_eager_drafter(dtype: torch.dtype) -> None:
+    """Context written by the kernel, then two blocks in scattered slots with ragged contexts (37 and
+    9 positions, so rows of the other slot and past each context hold features the block must not see)."""
+    target, drafter = kernel_target_and_drafter(dtype)
+    proposer = DFlashProposer(drafter, target)
+    assert proposer.fused is not None
+    proposer.allocate(3, MAX_LEN)
+    tokens = torch.randint(0, 64, (3, 40), generator=torch.Generator().manual_seed(4))
+    slots, lens = torch.tensor([2, 0]), torch.tensor([37, 9])
+    cpu = torch.device("cpu")
+    eager = KVCache(drafter.config.model_config, 3, MAX_LEN, torch.float32, cpu)
+    with torch.inference_mode():
+        _, taps = target(tokens, taps=proposer.tap_layers)
+        proposer.observe([0, 1, 2], [0, 0, 0], taps, tokens)
+        batch = AttnBatch.build([0, 1, 2], [0, 0, 0], 40, cpu, MAX_LEN)
+        for layer, (k, v) in enumerate(proposer.drafter.context_kv(proposer.drafter.fuse(taps), batch.positions)):
+            eager.write(layer, batch, k, v)
+        before = proposer.cache.k.clone(), proposer.cache.v.clone()
+        x = proposer.drafter.embed_block(torch.tensor([[5], [7]]), 4, target.embed)  # [2, 4, H]
+        got = proposer.fused.forward(x, slots, lens, proposer.cache)
+        alone = proposer.fused.forward(x[1:], slots[1:], lens[1:], proposer.cache)
+        want = proposer._run_eager(x, slots, lens)
+    for got_kv, want_kv in ((before[0], eager.k), (before[1], eager.v)):  # the kernel's context = eager's
+        assert (got_kv - want_kv).abs().max() <= TOLERANCE[dtype] * want_kv.abs().max()
+    assert torch.equal(proposer.cache.k, before[0]) and torch.equal(proposer.cache.v, before[1])
+    assert (got.float() - want.float()).abs().max() <= TOLERANCE[dtype] * want.float().abs().max()
+    assert torch.equal(got[1:], alone)
+    assert FusedDrafter.accepts(4, 4, proposer.cache) and not FusedDrafter.accepts(5, 4, proposer.cache)
+
+
+def test_greedy_dflash_speculation_is_lossless_with_the_kernel() -> None:
+    target, drafter = kernel_target_and_drafter(torch.bfloat16)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (9, 17, 4)]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    plain = [s.output_ids for s in LLMEngine(target, EngineConfig(num_slots=3, max_len=MAX_LEN), []).generate(
+        prompts, greedy)]
+    proposer = DFlashProposer(drafter, target)
+    out = LLMEngine(target, EngineConfig(num_slots=3, max_len=MAX_LEN), [], proposer=proposer).generate(prompts, greedy)
+    assert [s.output_ids for s in out] == plain
+    assert proposer.fused is not None and sum(s.spec.drafts for s in out) > 0
