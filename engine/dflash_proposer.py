@@ -9,8 +9,10 @@ artifact. The block's own K/V are never cached: each propose starts from the con
 
 On the CPU both run in the C++ kernel (`FusedDrafter` in `engine/fused_decode.py`) when it builds:
 the block pass in one call instead of some 40 small eager ops, and the context writes in one call
-after the fusion linear. The head runs as a `CpuLinear`, like the target's. Elsewhere, and for
-blocks too large for the kernel, the eager path below.
+after the fusion linear. Measured in the engine (SmolLM2 bf16, one sequence, block 4, natural-length
+answers), per step: propose 1.86 → 1.37 ms, observe 0.91 → 0.74 ms; most of what is left of a
+propose is the head (13,205 rows, 15 MB read per block), which runs as a `CpuLinear` like the
+target's. Elsewhere, and for blocks too large for the kernel, the eager path below.
 
 Not here: the drafter maths (`engine/dflash.py`), acceptance (`engine/speculation.py`).
 """

@@ -12,8 +12,8 @@ sequences 65.8 vs 81.0, 48 sequences 91.3 vs 121.1; one sequence with a 16-token
 
 `FusedDrafter` runs a DFlash drafter's block the same way (`block=True`: the block's rows see each
 other both ways and the cached context, and write nothing into the cache), and writes its context
-keys/values from fused target features (`context`). Measured in the engine
-(SmolLM2 bf16, one sequence, block 4, ~300-token context): see `engine/dflash_proposer.py`.
+keys/values from fused target features (`context`); what that saves per step is in
+`engine/dflash_proposer.py`.
 
 This file is not the kernels (C++) and not the decision to optimise a model for the CPU
 (`engine/cpu_linear.py`); it hands the model's weights to the kernel, which packs its own copy.
