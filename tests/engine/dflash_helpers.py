@@ -7,10 +7,11 @@ from engine.dflash import DFlashConfig, DFlashDrafter
 from engine.model import Transformer
 
 
-def tiny_target(seed: int = 0, vocab: int = 64, layers: int = 6) -> Transformer:
+def tiny_target(seed: int = 0, vocab: int = 64, layers: int = 6, hidden: int = 32) -> Transformer:
+    """`hidden` 64 (head dim 16) is the narrowest the C++ kernel takes (`engine/fused_decode.py`)."""
     torch.manual_seed(seed)
-    cfg = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=layers,
-                      num_heads=4, num_kv_heads=2, head_dim=8, max_position=256, tie_word_embeddings=True)
+    cfg = ModelConfig(arch="llama", vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_layers=layers,
+                      num_heads=4, num_kv_heads=2, head_dim=hidden // 4, max_position=256, tie_word_embeddings=True)
     model = Transformer(cfg)
     with torch.no_grad():
         for p in model.parameters():

@@ -18,7 +18,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.cpu_linear import optimize_for_cpu_inference
-from engine.dflash import DFlashConfig, DFlashDrafter
+from engine.dflash import DFlashDrafter
 from engine.dflash_proposer import DFlashProposer
 from engine.fused_decode import FusedDecoder, FusedDrafter, supports
 from engine.kv_cache import AttnBatch, KVCache
@@ -28,6 +28,7 @@ from engine.model import Transformer
 from engine.ngram import NgramProposer
 from engine.sampler import SamplingParams
 from kernels.cpu_decode import load
+from tests.engine.dflash_helpers import tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.skipif(load() is None, reason="CPU decode kernels need AVX-512 BF16 and a compiler")
 
@@ -169,16 +170,10 @@ def test_attaches_only_where_it_applies(tiny_llama_dir: Path) -> None:
 
 
 def kernel_target_and_drafter(dtype: torch.dtype) -> tuple[Transformer, DFlashDrafter]:
-    """A random 6-layer target the kernel takes (the DFlash tests' tiny target is too narrow for
-    it) and a random 2-layer drafter of block 4 for it."""
-    config = ModelConfig(arch="llama", vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=6,
-                         num_heads=4, num_kv_heads=2, head_dim=16, max_position=128)
-    torch.manual_seed(0)
-    target = optimize_for_cpu_inference(Transformer(config).to(dtype).eval().requires_grad_(False))
-    drafter = DFlashDrafter(DFlashConfig.for_target(config, num_layers=2, num_taps=3, block_size=4))
-    with torch.no_grad():
-        drafter.mask_embedding.normal_()
-    return target, drafter
+    """The DFlash tests' tiny target, widened until the kernel takes it, in `dtype` with the kernel
+    attached, and a random 2-layer drafter of block 4 for it."""
+    target = optimize_for_cpu_inference(tiny_target(hidden=64).to(dtype).requires_grad_(False))
+    return target, tiny_drafter(target, block_size=4, num_layers=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
