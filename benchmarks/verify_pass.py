@@ -5,9 +5,10 @@ block of n tokens instead of one is half of every speedup. This measures one for
 fused C++ decoder (`kernels/cpu_decode.cpp`, the LM head left out) for n = 1, 2, 3, 4, 8 rows of
 one sequence at several context lengths, on the real model's weights and a filled KV cache.
 
-With `--baseline-rev REV` the kernel source at git revision REV is built too (its `Decoder` renamed,
-so both load in one process) and measured interleaved with this checkout's, pass by pass, so both
-see the same machine: the side-by-side figure for a kernel change.
+With `--baseline-rev REV` the kernel source at git revision REV is built too, for the same
+instruction set (its `Decoder` renamed, so both load in one process), and measured interleaved with
+this checkout's, pass by pass, so both see the same machine: the side-by-side figure for a kernel
+change. Revisions before the per-instruction-set builds are AVX-512 BF16 code and build only there.
 
 Writes `benchmarks/results/verify_pass.json` and prints a markdown table. Run:
 `.venv/bin/python benchmarks/verify_pass.py --baseline-rev HEAD~1`. This is not a test: it asserts
@@ -17,8 +18,8 @@ nothing and takes a minute or two.
 import argparse
 import json
 import os
-import platform
 import re
+import sys
 import statistics
 import subprocess
 import tempfile
@@ -33,7 +34,10 @@ from engine.cpu_linear import optimize_for_cpu_inference
 from engine.fused_decode import FusedDecoder
 from engine.kv_cache import AttnBatch, KVCache
 from engine.loading import build_model, read_checkpoint
-from kernels.cpu_decode import SOURCE as KERNEL, compile_module
+from kernels.cpu_decode import SOURCE as KERNEL, compile_module, cpu_plan
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is not an installed package
+from benchmarks.machine import describe  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "verify_pass.json"
 ROWS = (1, 2, 3, 4, 8)
@@ -49,13 +53,17 @@ def parse_args() -> argparse.Namespace:
 
 
 def baseline_kernel(rev: str, workdir: Path) -> types.SimpleNamespace:
-    """The kernel at `rev`, built under another module and class name so it loads beside ours."""
-    text = subprocess.run(["git", "show", f"{rev}:kernels/{KERNEL.name}"], check=True, capture_output=True,
-                          text=True, cwd=KERNEL.parent.parent).stdout
+    """The kernel at `rev` with its headers, built under another module and class name so it loads beside ours."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], check=True, capture_output=True, text=True, cwd=KERNEL.parent.parent).stdout
+
+    for path in git("ls-tree", "--name-only", rev, "kernels/").split():
+        if path.endswith(".h"):
+            (workdir / Path(path).name).write_text(git("show", f"{rev}:{path}"))
     source = workdir / "baseline_cpu_decode.cpp"
-    source.write_text(re.sub(r"\bDecoder\b", "BaselineDecoder", text))
-    module = compile_module("baseline_cpu_decode", source, workdir)
-    return types.SimpleNamespace(Decoder=module.BaselineDecoder)
+    source.write_text(re.sub(r"\bDecoder\b", "BaselineDecoder", git("show", f"{rev}:kernels/{KERNEL.name}")))
+    module = compile_module("baseline_cpu_decode", source, cpu_plan().isa, workdir)
+    return types.SimpleNamespace(Decoder=module.BaselineDecoder, isa=cpu_plan().isa)
 
 
 def median_ms(decoders: dict[str, FusedDecoder], cache: KVCache, hidden: int, context: int, n: int,
@@ -101,10 +109,8 @@ def main() -> None:
     report = {
         "model": gguf.name,
         "dtype": "bfloat16",
-        "cpu": platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(),
+        "machine": describe(),
         "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]},
-        "torch": torch.__version__,
         "baseline_rev": args.baseline_rev,
         "repeats": args.repeats,
         "cells": cells,

@@ -51,6 +51,7 @@ class FusedDecoder:
             ])
         self.decoder = kernel.Decoder(layers, model.norm.weight, model.rope_cos.float(), model.rope_sin.float(),
                                       c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+        self.isa = kernel.isa  # the build it runs on (kernels/cpu_features.py)
 
     @staticmethod
     def accepts(B: int, n: int, cache: KVCache) -> bool:
@@ -79,6 +80,7 @@ class FusedDrafter:
                    layer.mlp.down.weight] for layer in drafter.layers]
         self.decoder = kernel.Decoder(layers, drafter.norm.weight, drafter.rope_cos.float(), drafter.rope_sin.float(),
                                       c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+        self.isa = kernel.isa
 
     @staticmethod
     def accepts(B: int, n: int, cache: KVCache) -> bool:

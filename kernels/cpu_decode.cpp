@@ -1,12 +1,13 @@
-// Small-batch forward passes (bf16 or fp32 weights) of the Llama-family decoder on AVX-512 BF16 CPUs,
-// one C++ call per pass.
+// Small-batch forward passes (bf16 or fp32 weights) of the Llama-family decoder on the CPU, one C++
+// call per pass, written once against the vector layer in simd.h and built once per instruction set
+// (AVX-512 BF16, AVX2 + FMA, portable); `kernels/cpu_decode.py` picks the build this CPU can run.
 //
 // Why it exists (SmolLM2-135M, 2 cores, one-token decode): the weights are read once per token and
 // the eager path spends its time around them, not in them. Per step the eager path measured
 // 11.7 ms in oneDNN matrix-vector products (18 GB/s of weights), 1.7 ms in the LM head and about
 // 8.7 ms in 40-odd small ops per layer (norms, RoPE, cache writes, casts, attention), each a few
 // microseconds of dispatch. Here the layer matrices take about 7.3 ms and the glue is plain loops:
-// a bf16 decode step fell from 22-26 ms to 8.5-10.5 ms.
+// a bf16 decode step fell from 22-26 ms to 8.5-10.5 ms (AVX-512 BF16).
 //
 // What it is: `linear` (y = x W^T + b for up to a few dozen rows) and `Decoder`, which holds one
 // model's weights and runs rows of tokens through every layer against the model's fp32 KV cache.
@@ -15,113 +16,104 @@
 // What it is not: prefill of long prompts (oneDNN's blocked GEMM wins there), training (no autograd),
 // or anything off the CPU. The Python side (`engine/fused_decode.py`) decides when it applies.
 //
-// Numerics: products in bf16 x bf16 -> fp32 (VDPBF16PS), sums, norms, RoPE, softmax and the
-// residual stream in fp32; inputs to each matrix are rounded to bf16 as the eager path does. Every
-// row is computed the same way whatever the number of rows, so a token's logits do not depend on
-// what else is in the batch (greedy speculation stays token-identical to plain decoding).
+// Numerics: products of bf16 weights and bf16-rounded inputs are exact in fp32 and summed in fp32
+// (VDPBF16PS, or a widening shift and FMA); sums, norms, RoPE, softmax and the residual stream are
+// fp32; inputs to each matrix are rounded to bf16 as the eager path does. Every row is computed the
+// same way whatever the number of rows, so a token's logits do not depend on what else is in the
+// batch (greedy speculation stays token-identical to plain decoding), on every path.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#include "simd.h"
 
 namespace {
 
-using bf16 = uint16_t;
+using simd::bf16;
+using simd::Vec;
+using simd::W;
 
-inline bf16 to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN stays NaN
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-  return static_cast<bf16>(u >> 16);
-}
-
-// Round to nearest even, 16 at a time (VCVTNEPS2BF16).
-void round_rows(const float* src, bf16* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
-  for (; i < n; ++i) dst[i] = to_bf16(src[i]);
-}
-
-// exp for x <= 0 (softmax and SiLU both arrange that), 16 lanes: 2^k * p(r) with the Cephes expf
+// exp for x <= 0 (softmax and SiLU both arrange that), W lanes: 2^k * p(r) with the Cephes expf
 // polynomial; the reference tests bound the error it adds.
-inline __m512 exp_neg(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, k);
+inline Vec exp_neg(Vec x) {
+  using namespace simd;
+  x = max(x, splat(-87.0f));
+  const Vec k = round_int(mul(x, splat(1.44269504f)));
+  Vec r = fnmadd(k, splat(0.693359375f), x);
+  r = fnmadd(k, splat(-2.12194440e-4f), r);
+  Vec p = splat(1.9875691500e-4f);
+  p = fmadd(p, r, splat(1.3981999507e-3f));
+  p = fmadd(p, r, splat(8.3334519073e-3f));
+  p = fmadd(p, r, splat(4.1665795894e-2f));
+  p = fmadd(p, r, splat(1.6666665459e-1f));
+  p = fmadd(p, r, splat(5.0000001201e-1f));
+  p = fmadd(mul(p, r), r, add(r, splat(1.0f)));
+  return scale_pow2(p, k);
 }
 
 float exp_scalar(float x) {
-  alignas(64) float v[16] = {x};
-  _mm512_store_ps(v, exp_neg(_mm512_load_ps(v)));
+  alignas(64) float v[W];
+  simd::store(v, exp_neg(simd::splat(x)));
   return v[0];
 }
 
 // ---- matrix rows: y[m, o] = sum_i x[m, i] * w[o, i] -------------------------------------------
 //
-// Weights are packed once into tiles of 4 output rows laid side by side, 64 bytes (one vector) of
-// each row at a time: `pack` turns [out, in] into [ceil(out / 4), in / V, 4, V] (V = 32 bf16 or 16
-// fp32, rows past `out` zero). A tile is then one sequential read, and each x vector loaded serves
-// four weight vectors. Measured on SmolLM2's 120 layer matrices (2 cores, bf16), against row-major
-// weights read one row at a time: 7.5 vs 8.6 ms at 4 rows, 9.5 vs 15.9 ms at 8, and about the same
-// (7.0-7.6 ms) at 1 row, where both are bound by memory.
+// Weights are packed once into tiles of 4 output rows laid side by side, 64 bytes of each row at a
+// time: `pack` turns [out, in] into [ceil(out / 4), in / V, 4, V] (V = 32 bf16 or 16 fp32, rows past
+// `out` zero), the same layout on every path. A tile is then one sequential read, and each
+// activation chunk loaded serves four weight rows. Measured on SmolLM2's 120 layer matrices (2 cores,
+// bf16, AVX-512 BF16), against row-major weights read one row at a time: 7.5 vs 8.6 ms at 4 rows,
+// 9.5 vs 15.9 ms at 8, and about the same (7.0-7.6 ms) at 1 row, where both are bound by memory.
 
 constexpr int64_t TILE = 4;
 
-inline __m512 madd(__m512 acc, const bf16* w, const bf16* x) {
-  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w), (__m512bh)_mm512_loadu_si512(x));
-}
-inline __m512 madd(__m512 acc, const float* w, const float* x) {
-  return _mm512_fmadd_ps(_mm512_loadu_ps(w), _mm512_loadu_ps(x), acc);
-}
+// The activations a weight of element type T meets: prepared bf16 for bf16 weights, fp32 for fp32.
+template <typename T>
+using Activation = std::conditional_t<std::is_same_v<T, bf16>, simd::XB, float>;
 
-// G rows of x against one tile. One accumulator per (row, output), summed over the vectors in
-// order, so each output is formed the same way whatever G is: a token's result does not depend on
-// what else is in its pass.
+// G rows of x against one tile. One accumulator per (row, output), summed over the chunks in order,
+// so each output is formed the same way whatever G is: a token's result does not depend on what
+// else is in its pass.
 template <int G, typename T>
-void tile_rows(const T* tile, const T* x, float* y, int64_t in, int64_t out, int64_t first) {
+void tile_rows(const T* tile, const Activation<T>* x, float* y, int64_t in, int64_t out, int64_t first) {
   constexpr int64_t V = 64 / sizeof(T);
-  __m512 acc[G][TILE];
+  Vec acc[G][TILE];
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < TILE; ++j) acc[g][j] = _mm512_setzero_ps();
+    for (int j = 0; j < TILE; ++j) acc[g][j] = simd::zero();
   for (int64_t c = 0; c < in / V; ++c) {
     const T* wc = tile + c * TILE * V;
+    if constexpr (simd::PREFETCH > 0)
+      for (int64_t line = 0; line < TILE * 64; line += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(wc) + simd::PREFETCH + line);
     for (int g = 0; g < G; ++g) {
-      const T* xc = x + g * in + c * V;
-      for (int j = 0; j < TILE; ++j) acc[g][j] = madd(acc[g][j], wc + j * V, xc);
+      const Activation<T>* xc = x + g * in + c * V;
+      for (int j = 0; j < TILE; ++j) acc[g][j] = simd::madd(acc[g][j], wc + j * V, xc);
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < TILE && first + j < out; ++j) y[g * out + first + j] = _mm512_reduce_add_ps(acc[g][j]);
+    for (int j = 0; j < TILE && first + j < out; ++j) y[g * out + first + j] = simd::reduce(acc[g][j]);
 }
 
-// x [M, in] (the weight's element type) times packed w -> y [M, out] fp32; both threads split the
-// tiles, so each weight is read from memory once per call.
+// x [M, in] (prepared for the weight's element type) times packed w -> y [M, out] fp32; both threads
+// split the tiles, so each weight is read from memory once per call.
 template <typename T>
-void matmul_rows(const T* x, const T* w, const float* bias, float* y, int64_t M, int64_t in, int64_t out) {
+void matmul_rows(const Activation<T>* x, const T* w, const float* bias, float* y, int64_t M, int64_t in, int64_t out) {
+  static_assert(simd::ROWS >= 1 && simd::ROWS <= 4);
   const int64_t tiles = (out + TILE - 1) / TILE;
   at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const T* tile = w + t * TILE * in;
-      for (int64_t m = 0; m < M; m += 4) {
-        const T* xm = x + m * in;
+      for (int64_t m = 0; m < M; m += simd::ROWS) {
+        const Activation<T>* xm = x + m * in;
         float* ym = y + m * out;
-        switch (std::min<int64_t>(4, M - m)) {
+        switch (std::min<int64_t>(simd::ROWS, M - m)) {
           case 4: tile_rows<4>(tile, xm, ym, in, out, t * TILE); break;
           case 3: tile_rows<3>(tile, xm, ym, in, out, t * TILE); break;
           case 2: tile_rows<2>(tile, xm, ym, in, out, t * TILE); break;
@@ -159,24 +151,24 @@ Packed pack_matrix(const at::Tensor& w) {
 
 // fp32 activations x [M, in] against a packed bf16 or fp32 weight. For bf16 weights x is rounded
 // to bf16 first (into `xb`), where the eager path's activations are bf16 too.
-void matmul(const float* x, const Packed& w, const float* bias, float* y, int64_t M, std::vector<bf16>& xb) {
+void matmul(const float* x, const Packed& w, const float* bias, float* y, int64_t M, std::vector<simd::XB>& xb) {
   const int64_t in = w.in();
   if (w.tiles.scalar_type() == at::kFloat) return matmul_rows(x, w.tiles.data_ptr<float>(), bias, y, M, in, w.out);
   xb.resize(M * in);
-  round_rows(x, xb.data(), M * in);
+  simd::prepare_bf16(x, xb.data(), M * in);
   matmul_rows(xb.data(), reinterpret_cast<const bf16*>(w.tiles.data_ptr()), bias, y, M, in, w.out);
 }
 
 // ---- the pieces of one layer, all on fp32 rows ------------------------------------------------
 
-// Without -ffast-math the compiler keeps a float sum in order, one lane at a time. Written out in 16
+// Without -ffast-math the compiler keeps a float sum in order, one lane at a time. Written out in W
 // lanes, a SmolLM2 decode step over a 300-token context fell from 10.7 to 9.5 ms at one sequence and
-// from 30.6 to 24.0 ms at eight.
+// from 30.6 to 24.0 ms at eight (AVX-512).
 float dot(const float* a, const float* b, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
+  Vec acc = simd::zero();
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  float s = _mm512_reduce_add_ps(acc);
+  for (; i + W <= n; i += W) acc = simd::fmadd(simd::load(a + i), simd::load(b + i), acc);
+  float s = simd::reduce(acc);
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
@@ -197,22 +189,6 @@ void rope_head(float* x, const float* cos, const float* sin, int64_t D) {
   }
 }
 
-// Sums of 16 vectors at once: lane 4 q + i of the result is the sum of x[4 i + q]'s lanes. Every
-// sum is formed by the same tree whatever the other vectors hold, and it costs 15 adds and 30
-// shuffles where 16 separate horizontal sums cost about 100 instructions.
-inline __m512 sum16(const __m512* x) {
-  __m512 s[8], u[4], v[2];
-  for (int i = 0; i < 8; ++i)
-    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)
-    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    v[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
-}
-
 // One query row of `attend_rows`: its vector [D], how many keys it sees, and where its output [D] goes.
 struct QueryRow {
   const float* q;
@@ -221,39 +197,40 @@ struct QueryRow {
 };
 
 // Query rows that share one key/value head (a sequence's block of tokens times the query heads of
-// its GQA group) against keys/values [len, D] (fp32, contiguous, D = 16 DV). Tiles of 4 rows x 4
-// keys keep 16 dot products in registers and sum them together (`sum16`), and every key and value
-// is loaded once per tile of rows instead of once per row and head. Each (row, key) product is formed
-// the same way whatever else is in the pass, so a token's result does not depend on its block.
-// Measured on SmolLM2 (2 cores, bf16, benchmarks/verify_pass.py), against one (row, head) at a time
-// with a horizontal sum per key: a 4-token verify pass 10.05 -> 7.54 ms at a 300-token context and
-// 15.01 -> 10.36 ms at 1,000; a decode step 6.71 -> 5.46 and 8.44 -> 7.00 ms.
+// its GQA group) against keys/values [len, D] (fp32, contiguous, D = W DV). Tiles of 4 rows x W/4
+// keys keep W dot products in registers and sum them together (`reduce_each`), and every key and
+// value is loaded once per tile of rows instead of once per row and head. Each (row, key) product is
+// formed the same way whatever else is in the pass, so a token's result does not depend on its
+// block. Measured on SmolLM2 (2 cores, bf16, AVX-512 BF16, benchmarks/verify_pass.py), against one
+// (row, head) at a time with a horizontal sum per key: a 4-token verify pass 10.05 -> 7.54 ms at a
+// 300-token context and 15.01 -> 10.36 ms at 1,000; a decode step 6.71 -> 5.46 and 8.44 -> 7.00 ms.
 template <int DV>
 void attend_rows(const std::vector<QueryRow>& rows, const float* keys, const float* values, float scale,
                  std::vector<float>& scores) {
-  constexpr int64_t D = 16 * DV, RC = 16 / DV;  // RC rows of DV accumulators fill 16 registers
+  constexpr int64_t D = W * DV, KT = W / 4;  // a tile: 4 rows x KT keys, W accumulators
+  constexpr int64_t RC = std::max<int64_t>(1, simd::REGS / 2 / DV);  // rows of DV accumulators in half the registers
   alignas(64) static const float zeros[D] = {};
   const int64_t R = rows.size();
   int64_t L = 0;
   for (const auto& r : rows) L = std::max(L, r.len);
   const int64_t Lp = (L + 15) / 16 * 16;
   scores.assign(((R + 3) / 4 * 4) * Lp, 0.f);
-  alignas(64) float tile[16];
+  alignas(64) float tile[W];
   for (int64_t r0 = 0; r0 < R; r0 += 4) {
     const float* q[4];
     for (int r = 0; r < 4; ++r) q[r] = r0 + r < R ? rows[r0 + r].q : zeros;
-    for (int64_t t = 0; t < L; t += 4) {
-      const float* k[4];
-      for (int c = 0; c < 4; ++c) k[c] = t + c < L ? keys + (t + c) * D : zeros;
-      __m512 acc[16];
-      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < L; t += KT) {
+      const float* k[KT];
+      for (int c = 0; c < KT; ++c) k[c] = t + c < L ? keys + (t + c) * D : zeros;
+      Vec acc[W];
+      for (int i = 0; i < W; ++i) acc[i] = simd::zero();
       for (int dv = 0; dv < DV; ++dv)
-        for (int c = 0; c < 4; ++c) {
-          const __m512 kv = _mm512_loadu_ps(k[c] + 16 * dv);
-          for (int r = 0; r < 4; ++r) acc[4 * c + r] = _mm512_fmadd_ps(_mm512_loadu_ps(q[r] + 16 * dv), kv, acc[4 * c + r]);
+        for (int c = 0; c < KT; ++c) {
+          const Vec kv = simd::load(k[c] + W * dv);
+          for (int r = 0; r < 4; ++r) acc[KT * r + c] = simd::fmadd(simd::load(q[r] + W * dv), kv, acc[KT * r + c]);
         }
-      _mm512_store_ps(tile, _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));  // lane 4 r + c
-      for (int r = 0; r < 4; ++r) std::memcpy(scores.data() + (r0 + r) * Lp + t, tile + 4 * r, 4 * sizeof(float));
+      simd::store(tile, simd::mul(simd::reduce_each(acc), simd::splat(scale)));  // lane KT r + c
+      for (int r = 0; r < 4; ++r) std::memcpy(scores.data() + (r0 + r) * Lp + t, tile + KT * r, KT * sizeof(float));
     }
   }
   // Softmax of each row over its own keys; the padding after them becomes probability 0.
@@ -264,10 +241,10 @@ void attend_rows(const std::vector<QueryRow>& rows, const float* keys, const flo
     for (int64_t t = 0; t < len; ++t) top = std::max(top, sc[t]);
     float total = 0.f;
     int64_t t = 0;
-    for (; t + 16 <= len; t += 16) {
-      const __m512 e = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(sc + t), _mm512_set1_ps(top)));
-      _mm512_storeu_ps(sc + t, e);
-      total += _mm512_reduce_add_ps(e);
+    for (; t + W <= len; t += W) {
+      const Vec e = exp_neg(simd::sub(simd::load(sc + t), simd::splat(top)));
+      simd::store(sc + t, e);
+      total += simd::reduce(e);
     }
     for (; t < len; ++t) total += sc[t] = exp_scalar(sc[t] - top);
     for (t = 0; t < len; ++t) sc[t] /= total;
@@ -279,48 +256,43 @@ void attend_rows(const std::vector<QueryRow>& rows, const float* keys, const flo
     const int64_t rc = std::min(RC, R - r0);
     int64_t len = 0;
     for (int64_t r = r0; r < r0 + rc; ++r) len = std::max(len, rows[r].len);
-    __m512 acc[RC][DV];
+    Vec acc[RC][DV];
     for (int r = 0; r < RC; ++r)
-      for (int dv = 0; dv < DV; ++dv) acc[r][dv] = _mm512_setzero_ps();
+      for (int dv = 0; dv < DV; ++dv) acc[r][dv] = simd::zero();
     for (int64_t t = 0; t < len; ++t) {
-      __m512 v[DV];
-      for (int dv = 0; dv < DV; ++dv) v[dv] = _mm512_loadu_ps(values + t * D + 16 * dv);
+      Vec v[DV];
+      for (int dv = 0; dv < DV; ++dv) v[dv] = simd::load(values + t * D + W * dv);
       for (int r = 0; r < rc; ++r) {
-        const __m512 p = _mm512_set1_ps(scores[(r0 + r) * Lp + t]);
-        for (int dv = 0; dv < DV; ++dv) acc[r][dv] = _mm512_fmadd_ps(p, v[dv], acc[r][dv]);
+        const Vec p = simd::splat(scores[(r0 + r) * Lp + t]);
+        for (int dv = 0; dv < DV; ++dv) acc[r][dv] = simd::fmadd(p, v[dv], acc[r][dv]);
       }
     }
     for (int r = 0; r < rc; ++r)
-      for (int dv = 0; dv < DV; ++dv) _mm512_storeu_ps(rows[r0 + r].out + 16 * dv, acc[r][dv]);
+      for (int dv = 0; dv < DV; ++dv) simd::store(rows[r0 + r].out + W * dv, acc[r][dv]);
   }
 }
 
-// `attend_rows` for this head size (D = 16 DV, checked when the decoder is built).
+// `attend_rows` for this head size (D = W DV; the decoder checks D % 16 == 0 and D <= 128).
+template <int DV = 1>
 void attend(const std::vector<QueryRow>& rows, const float* keys, const float* values, int64_t D, float scale,
             std::vector<float>& scores) {
-  switch (D / 16) {
-    case 1: return attend_rows<1>(rows, keys, values, scale, scores);
-    case 2: return attend_rows<2>(rows, keys, values, scale, scores);
-    case 3: return attend_rows<3>(rows, keys, values, scale, scores);
-    case 4: return attend_rows<4>(rows, keys, values, scale, scores);
-    case 5: return attend_rows<5>(rows, keys, values, scale, scores);
-    case 6: return attend_rows<6>(rows, keys, values, scale, scores);
-    case 7: return attend_rows<7>(rows, keys, values, scale, scores);
-    default: return attend_rows<8>(rows, keys, values, scale, scores);
+  if constexpr (DV * W < 128) {
+    if (D != DV * W) return attend<DV + 1>(rows, keys, values, D, scale, scores);
   }
+  attend_rows<DV>(rows, keys, values, scale, scores);
 }
 
 // out [n] = silu(gate) * up
 void silu_mul(const float* gate, const float* up, int64_t n, float* out) {
+  using namespace simd;
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 g = _mm512_loadu_ps(gate + i);
+  for (; i + W <= n; i += W) {
+    const Vec g = load(gate + i);
     // silu(g) = g / (1 + e^-g), with e^-|g| so the exponent never overflows.
-    const __m512 e = exp_neg(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-    const __m512 one = _mm512_set1_ps(1.0f);
-    const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-    const __m512 sig = _mm512_mask_div_ps(_mm512_div_ps(one, _mm512_add_ps(one, e)), neg, e, _mm512_add_ps(one, e));
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(g, sig), _mm512_loadu_ps(up + i)));
+    const Vec e = exp_neg(sub(zero(), simd::abs(g)));
+    const Vec one = splat(1.0f);
+    const Vec sig = div(where_negative(g, e, one), add(one, e));  // e / (1 + e) below zero, 1 / (1 + e) above
+    store(out + i, mul(mul(g, sig), load(up + i)));
   }
   for (; i < n; ++i) {
     const float g = gate[i];
@@ -356,7 +328,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& tiles, int64_t out, con
   auto y = at::empty({M, out}, x.options().dtype(at::kFloat));
   {
     pybind11::gil_scoped_release nogil;
-    std::vector<bf16> xb;
+    std::vector<simd::XB> xb;
     matmul(f32(xf), w, bias.has_value() ? f32(b32) : nullptr, y.data_ptr<float>(), M, xb);
   }
   auto shape = x.sizes().vec();
@@ -433,7 +405,7 @@ class Decoder {
     TORCH_CHECK(hq_ * d_ % TILE == 0, "q rows: expected a multiple of the tile height");
     const auto xf = x.to(at::kFloat).contiguous();
     std::vector<float> kv(M * 2 * kv_size);
-    std::vector<bf16> rounded;
+    std::vector<simd::XB> rounded;
     pybind11::gil_scoped_release nogil;
     for (int64_t li = 0; li < (int64_t)layers_.size(); ++li) {
       const Layer& l = layers_[li];
@@ -485,7 +457,7 @@ class Decoder {
 
   struct Scratch {
     std::vector<float> normed, qkv, attn, proj, gate_up, act;
-    std::vector<bf16> rounded;
+    std::vector<simd::XB> rounded;
     Scratch(int64_t M, int64_t H, int64_t qkv_rows, int64_t q_size, int64_t inter)
         : normed(M * H), qkv(M * qkv_rows), attn(M * q_size), proj(M * H), gate_up(M * 2 * inter), act(M * inter) {}
   };
@@ -576,10 +548,12 @@ class Decoder {
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("isa") = simd::ISA;  // the instruction set this build runs on (`kernels/cpu_features.py`)
   m.def("pack", &pack, "w [out, in] -> tiles for linear()", pybind11::arg("w"));
   m.def("linear", &linear, "y = x w^T + b for a few rows, w given as pack(w) and out", pybind11::arg("x"),
         pybind11::arg("tiles"), pybind11::arg("out"), pybind11::arg("bias") = pybind11::none());
-  pybind11::class_<Decoder>(m, "Decoder")
+  // module_local: every build defines its own `Decoder`, and two builds may be loaded in one process.
+  pybind11::class_<Decoder>(m, "Decoder", pybind11::module_local())
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t,
                           int64_t, double>())
       .def("forward", &Decoder::forward, pybind11::arg("x"), pybind11::arg("slots"), pybind11::arg("positions"),

@@ -1,15 +1,21 @@
-"""Builds and loads the C++ CPU decode kernels (`cpu_decode.cpp`) once per machine.
+"""Builds and loads the C++ CPU decode kernels (`cpu_decode.cpp`), one build per instruction set.
 
-torch's extension builder compiles the source with ninja into its per-user cache on first use
-(about 40 s here) and reuses the build while the source is unchanged. It links OpenMP so that
-`at::parallel_for` runs on torch's own thread pool (both load the `libgomp.so.1` torch ships).
+The same source is compiled once for each path in `kernels/cpu_features.py` (AVX-512 BF16, AVX2 +
+FMA, portable), with that path's flags and its vector layer (`simd_<isa>.h`), as its own module
+`specloop_cpu_decode_<isa>`. torch's extension builder compiles with ninja into its per-user cache
+on first use (about 40 s per build here) and reuses a build while the source, headers and flags are
+unchanged. Builds carry their instruction set in their name, and only a build this CPU can run is
+ever loaded, so a cache shared between machines never hands an AVX-512 build to an AVX2 CPU. It
+links OpenMP so that `at::parallel_for` runs on torch's own thread pool (both load the
+`libgomp.so.1` torch ships).
 
-This file only decides whether the kernels can exist on this machine and loads them; when to use
-them is `engine/fused_decode.py`'s and `engine/cpu_linear.py`'s business. Where they cannot be built
-(no AVX-512 BF16, no compiler) everything runs on the eager path, after one warning.
+This file only builds and loads; which build this process uses is `cpu_plan()` (logged once), and
+when to use the kernels is `engine/fused_decode.py`'s and `engine/cpu_linear.py`'s business. Where
+a build fails (no compiler) everything runs on the eager path, after one warning.
 """
 
 import functools
+import hashlib
 import logging
 import subprocess
 from pathlib import Path
@@ -17,37 +23,62 @@ from types import ModuleType
 
 import torch
 
+from kernels.cpu_features import CpuFeatures, CpuPlan, Isa, forced_isa, plan, runnable
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
-_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fopenmp"]
-
-
-def cpu_has_avx512_bf16() -> bool:
-    """True on x86 CPUs with the AVX-512 BF16 dot-product instruction (Linux's `avx512_bf16` flag)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any("avx512_bf16" in line.split() for line in text.splitlines() if line.startswith("flags"))
+# No -march=native: a build must run on every CPU that has its flags, not only on the one it was built on.
+ISA_FLAGS = {
+    Isa.AVX512_BF16: ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma",
+                      "-DSPECLOOP_AVX512_BF16"],
+    Isa.AVX2: ["-mavx2", "-mfma", "-mf16c", "-DSPECLOOP_AVX2"],
+    Isa.PORTABLE: [],
+}
 
 
 @functools.cache
-def load() -> ModuleType | None:
-    """The compiled module (`linear`, `Decoder`), or None where this machine cannot build or run it."""
-    if not torch.backends.mkldnn.is_available() or not cpu_has_avx512_bf16():
-        return None
+def this_cpu() -> CpuFeatures:
+    """This machine's CPU, read once."""
+    return CpuFeatures.detect()
+
+
+@functools.cache
+def cpu_plan() -> CpuPlan:
+    """This process's CPU paths (`kernels/cpu_features.py`), decided and logged once."""
+    onednn_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    chosen = plan(this_cpu(), forced_isa(), onednn_bf16)
+    log.info("CPU paths: %s", chosen.reason)
+    return chosen
+
+
+def load(isa: Isa | None = None) -> ModuleType | None:
+    """The compiled module (`linear`, `pack`, `Decoder`, `isa`) for `isa`, by default this process's
+    planned build; None where it cannot be built here. A build this CPU cannot run is refused."""
+    isa = cpu_plan().isa if isa is None else isa
+    if isa not in runnable(this_cpu()):
+        raise ValueError(f"the {isa} build of the CPU kernels cannot run on this CPU ({this_cpu().model})")
+    return _build(isa)
+
+
+@functools.cache
+def _build(isa: Isa) -> ModuleType | None:
     try:
-        return compile_module("specloop_cpu_decode", SOURCE)
+        module = compile_module(f"specloop_cpu_decode_{isa}", SOURCE, isa)
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
-        log.warning("CPU decode kernels unavailable, using the eager path: %s", e)
+        log.warning("CPU decode kernels (%s) unavailable, using the eager path: %s", isa, e)
         return None
+    assert module.isa == isa, f"module built for {isa} reports {module.isa}"
+    return module
 
 
-def compile_module(name: str, source: Path, build_directory: Path | None = None) -> ModuleType:
-    """Build (or reuse the cached build of) a kernel source as module `name`, with the flags above.
-    `load` uses it for this checkout's kernels; `benchmarks/verify_pass.py` for an older revision's."""
+def compile_module(name: str, source: Path, isa: Isa, build_directory: Path | None = None) -> ModuleType:
+    """Build (or reuse the cached build of) a kernel source as module `name` for `isa`. `load` uses
+    it for this checkout's kernels; `benchmarks/verify_pass.py` for an older revision's. The
+    headers' digest is a flag, so a header edit rebuilds (torch hashes only the sources)."""
     from torch.utils.cpp_extension import load as build
 
-    return build(name, [str(source)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+    digest = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(source.parent.glob("simd*.h")))).hexdigest()
+    flags = ["-O3", "-fopenmp", f"-DSPECLOOP_HEADERS={digest[:16]}", *ISA_FLAGS[isa]]
+    return build(name, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                  build_directory=None if build_directory is None else str(build_directory))

@@ -6,7 +6,7 @@ slots and ragged starts; a row's result does not depend on the rest of its batch
 the block it is verified in; and greedy
 speculation stays token-identical to plain decoding with the kernel in the loop. A DFlash drafter's
 context keys/values and block pass agree with the eager drafter's, and a block pass leaves the
-context cache as it was.
+context cache as it was. Every test runs once per kernel build this CPU executes (`kernel_isa`).
 """
 
 import copy
@@ -27,10 +27,10 @@ from engine.loading import load_model
 from engine.model import Transformer
 from engine.ngram import NgramProposer
 from engine.sampler import SamplingParams
-from kernels.cpu_decode import load
+from kernels.cpu_decode import cpu_plan
 from tests.engine.dflash_helpers import tiny_drafter, tiny_target
 
-pytestmark = pytest.mark.skipif(load() is None, reason="CPU decode kernels need AVX-512 BF16 and a compiler")
+pytestmark = pytest.mark.usefixtures("kernel_isa")
 
 MAX_LEN = 64
 # (slots, starts, new tokens per sequence): prefill-sized blocks, decode, ragged starts, scattered slots.
@@ -44,7 +44,7 @@ TOLERANCE = {torch.bfloat16: 3e-2, torch.float32: 1e-4}  # of the reference's la
 def fused_and_reference(path: Path, dtype: torch.dtype = torch.bfloat16) -> tuple[Transformer, Transformer]:
     """The model in `dtype` with the kernel attached, and an eager fp32 copy of the same (rounded) weights."""
     fused = optimize_for_cpu_inference(load_model(path, dtype, torch.device("cpu")).model)
-    assert fused.fused_decoder is not None
+    assert fused.fused_decoder is not None and fused.fused_decoder.isa == cpu_plan().isa
     reference = copy.deepcopy(load_model(path, dtype, torch.device("cpu")).model).float()
     return fused, reference
 
@@ -122,7 +122,7 @@ def test_a_token_does_not_depend_on_its_block(head_dim: int) -> None:
                          num_heads=4, num_kv_heads=2, head_dim=head_dim, max_position=128)
     torch.manual_seed(0)
     model = optimize_for_cpu_inference(Transformer(config).eval().requires_grad_(False))
-    assert model.fused_decoder is not None
+    assert model.fused_decoder is not None and model.fused_decoder.isa == cpu_plan().isa
     tokens = torch.randint(0, 64, (1, 46), generator=torch.Generator().manual_seed(3))
     cpu = torch.device("cpu")
     with torch.inference_mode():
@@ -135,8 +135,9 @@ def test_a_token_does_not_depend_on_its_block(head_dim: int) -> None:
     assert torch.equal(block, torch.cat(steps, dim=1))
 
 
-def test_greedy_speculation_is_lossless_in_bf16(tiny_llama_dir: Path) -> None:
-    model, _ = fused_and_reference(tiny_llama_dir)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_speculation_is_lossless(tiny_llama_dir: Path, dtype: torch.dtype) -> None:
+    model, _ = fused_and_reference(tiny_llama_dir, dtype)
     g = torch.Generator().manual_seed(2)
     # Repetitive prompts so that n-gram drafts get accepted and rollback paths run.
     prompts = [(torch.randint(0, 300, (4,), generator=g).tolist() * 4)[:14] for _ in range(3)]
@@ -182,7 +183,7 @@ def test_drafter_block_matches_the_eager_drafter(dtype: torch.dtype) -> None:
     9 positions, so rows of the other slot and past each context hold features the block must not see)."""
     target, drafter = kernel_target_and_drafter(dtype)
     proposer = DFlashProposer(drafter, target)
-    assert proposer.fused is not None
+    assert proposer.fused is not None and proposer.fused.isa == cpu_plan().isa
     proposer.allocate(3, MAX_LEN)
     tokens = torch.randint(0, 64, (3, 40), generator=torch.Generator().manual_seed(4))
     slots, lens = torch.tensor([2, 0]), torch.tensor([37, 9])
@@ -207,8 +208,9 @@ def test_drafter_block_matches_the_eager_drafter(dtype: torch.dtype) -> None:
     assert FusedDrafter.accepts(4, 4, proposer.cache) and not FusedDrafter.accepts(5, 4, proposer.cache)
 
 
-def test_greedy_dflash_speculation_is_lossless_with_the_kernel() -> None:
-    target, drafter = kernel_target_and_drafter(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_dflash_speculation_is_lossless_with_the_kernel(dtype: torch.dtype) -> None:
+    target, drafter = kernel_target_and_drafter(dtype)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (9, 17, 4)]
     greedy = SamplingParams(max_tokens=24, temperature=0.0)

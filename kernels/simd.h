@@ -1,0 +1,62 @@
+// The vector layer the CPU decode kernels (`cpu_decode.cpp`) are written against, one header per
+// instruction set, chosen when the module is built: `-DSPECLOOP_AVX512_BF16`, `-DSPECLOOP_AVX2`, or
+// neither for the portable path (plain C++ the compiler vectorises; aarch64 included).
+//
+// Every header defines, in namespace `simd`:
+//   ISA                      the path's name, as `kernels/cpu_features.py` spells it
+//   W                        fp32 lanes per `Vec`
+//   ROWS                     rows of activations a weight tile is read against at once (registers)
+//   REGS                     vector registers the compiler has (for blocking choices)
+//   PREFETCH                 bytes of weights to prefetch ahead of the matrix tile being read (0: none)
+//   Vec                      W fp32 lanes
+//   zero, splat, load, store, add, sub, mul, div, max, abs, fmadd (a b + c), fnmadd (c - a b)
+//   round_int(x)             nearest integer, ties to even
+//   scale_pow2(p, k)         p 2^k for integral k in [-126, 0] (exp's last step)
+//   where_negative(g, a, b)  a where g < 0, else b, per lane
+//   reduce(x)                the sum of x's lanes, always by the same tree
+//   reduce_each(x[W])        a Vec whose lane i is reduce(x[i]), by the same tree whatever the others hold
+//   XB                       the element type bf16 weights meet: activations rounded to bf16, laid out
+//                            as `madd` reads them
+//   prepare_bf16(x, xb, n)   fp32 rows [n] (n a multiple of 32) rounded to nearest even bf16 into XB
+//   madd(acc, w, x)          acc + one 64-byte chunk of a weight row times the matching activations:
+//                            32 bf16 weights against 32 XB, or 16 fp32 against 16 fp32; the lanes a
+//                            product lands in and the order it is added depend only on its index
+//
+// What stays the same on every path: products of bf16 weights and bf16-rounded activations are exact
+// in fp32 and summed in fp32; each output is summed by one fixed order whatever the number of rows,
+// so a token's result does not depend on what else is in its pass. What differs: W, so sums of the
+// same numbers are grouped differently and paths agree only to rounding.
+
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace simd {
+
+using bf16 = uint16_t;
+
+inline bf16 to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return static_cast<bf16>(u >> 16);
+}
+
+inline float from_bf16(bf16 b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+}  // namespace simd
+
+#if defined(SPECLOOP_AVX512_BF16)
+#include "simd_avx512_bf16.h"
+#elif defined(SPECLOOP_AVX2)
+#include "simd_avx2.h"
+#else
+#include "simd_portable.h"
+#endif

@@ -1,0 +1,69 @@
+// The AVX-512 BF16 path of the kernels' vector layer (contract in simd.h): 16 fp32 lanes, bf16
+// products by VDPBF16PS. Built with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mfma.
+
+#pragma once
+
+#include <immintrin.h>
+
+namespace simd {
+
+constexpr const char* ISA = "avx512_bf16";
+constexpr int W = 16;
+constexpr int ROWS = 4;  // 4 rows x 4 tile rows = 16 accumulators of the 32 registers
+constexpr int REGS = 32;
+// No software prefetch: this path was tuned without it and has not been measured with it.
+constexpr int64_t PREFETCH = 0;
+
+using Vec = __m512;
+using XB = bf16;
+
+inline Vec zero() { return _mm512_setzero_ps(); }
+inline Vec splat(float f) { return _mm512_set1_ps(f); }
+inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, Vec x) { _mm512_storeu_ps(p, x); }
+inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec div(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+inline Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline Vec abs(Vec x) { return _mm512_abs_ps(x); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec fnmadd(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }
+inline Vec round_int(Vec x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT); }
+inline Vec scale_pow2(Vec p, Vec k) { return _mm512_scalef_ps(p, k); }
+inline Vec where_negative(Vec g, Vec a, Vec b) {
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), b, a);
+}
+inline float reduce(Vec x) { return _mm512_reduce_add_ps(x); }
+
+// 15 adds and 30 shuffles where 16 separate horizontal sums cost about 100 instructions. The tree
+// below leaves the sum of x[4 i + q] in lane 4 q + i; reading x[t(j)], t(4 i + q) = 4 q + i, instead
+// of x[j] puts the sum of x[i] in lane i.
+inline Vec reduce_each(const Vec* x) {
+  auto t = [x](int j) { return x[4 * (j % 4) + j / 4]; };
+  __m512 s[8], u[4], v[2];
+  for (int i = 0; i < 8; ++i)
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t(2 * i), t(2 * i + 1), 0x44),
+                         _mm512_shuffle_f32x4(t(2 * i), t(2 * i + 1), 0xEE));
+  for (int i = 0; i < 4; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    v[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
+}
+
+// Round to nearest even, 16 at a time (VCVTNEPS2BF16); the layout is plain bf16.
+inline void prepare_bf16(const float* x, XB* xb, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xb + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+}
+
+inline Vec madd(Vec acc, const bf16* w, const XB* x) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w), (__m512bh)_mm512_loadu_si512(x));
+}
+inline Vec madd(Vec acc, const float* w, const float* x) {
+  return _mm512_fmadd_ps(_mm512_loadu_ps(w), _mm512_loadu_ps(x), acc);
+}
+
+}  // namespace simd
