@@ -83,7 +83,7 @@ using Activation = std::conditional_t<std::is_same_v<T, bf16>, simd::XB, float>;
 // else is in its pass.
 template <int G, typename T>
 void tile_rows(const T* tile, const Activation<T>* x, float* y, int64_t in, int64_t out, int64_t first) {
-  constexpr int64_t V = 64 / sizeof(T);
+  constexpr int64_t V = 64 / sizeof(T), P = simd::PART / sizeof(T);  // elements per chunk, per madd
   Vec acc[G][TILE];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < TILE; ++j) acc[g][j] = simd::zero();
@@ -92,10 +92,11 @@ void tile_rows(const T* tile, const Activation<T>* x, float* y, int64_t in, int6
     if constexpr (simd::PREFETCH > 0)
       for (int64_t line = 0; line < TILE * 64; line += 64)
         __builtin_prefetch(reinterpret_cast<const char*>(wc) + simd::PREFETCH + line);
-    for (int g = 0; g < G; ++g) {
-      const Activation<T>* xc = x + g * in + c * V;
-      for (int j = 0; j < TILE; ++j) acc[g][j] = simd::madd(acc[g][j], wc + j * V, xc);
-    }
+    for (int64_t p = 0; p < V; p += P)
+      for (int g = 0; g < G; ++g) {
+        const Activation<T>* xc = x + g * in + c * V + p;
+        for (int j = 0; j < TILE; ++j) acc[g][j] = simd::madd(acc[g][j], wc + j * V + p, xc);
+      }
   }
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < TILE && first + j < out; ++j) y[g * out + first + j] = simd::reduce(acc[g][j]);

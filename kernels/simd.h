@@ -18,9 +18,10 @@
 //   XB                       the element type bf16 weights meet: activations rounded to bf16, laid out
 //                            as `madd` reads them
 //   prepare_bf16(x, xb, n)   fp32 rows [n] (n a multiple of 32) rounded to nearest even bf16 into XB
-//   madd(acc, w, x)          acc + one 64-byte chunk of a weight row times the matching activations:
-//                            32 bf16 weights against 32 XB, or 16 fp32 against 16 fp32; the lanes a
-//                            product lands in and the order it is added depend only on its index
+//   PART                     bytes of a weight row one `madd` takes (64 or a divisor of it)
+//   madd(acc, w, x)          acc + PART bytes of a weight row times the matching activations (PART / 2
+//                            bf16 weights against as many XB, or PART / 4 fp32 against fp32); the lanes
+//                            a product lands in and the order it is added depend only on its index
 //
 // What stays the same on every path: products of bf16 weights and bf16-rounded activations are exact
 // in fp32 and summed in fp32; each output is summed by one fixed order whatever the number of rows,

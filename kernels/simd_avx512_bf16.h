@@ -11,6 +11,7 @@ constexpr const char* ISA = "avx512_bf16";
 constexpr int W = 16;
 constexpr int ROWS = 4;  // 4 rows x 4 tile rows = 16 accumulators of the 32 registers
 constexpr int REGS = 32;
+constexpr int64_t PART = 64;  // one register of weights
 // No software prefetch: this path was tuned without it and has not been measured with it.
 constexpr int64_t PREFETCH = 0;
 

@@ -13,6 +13,7 @@ constexpr const char* ISA = "portable";
 constexpr int W = 8;
 constexpr int ROWS = 2;
 constexpr int REGS = 16;
+constexpr int64_t PART = 32;
 // Bytes of weights prefetched ahead, as on the AVX2 path (simd_avx2.h says why).
 constexpr int64_t PREFETCH = 4096;
 
@@ -52,15 +53,14 @@ inline void prepare_bf16(const float* x, XB* xb, int64_t n) {
   for (int64_t i = 0; i < n; ++i) xb[i] = from_bf16(to_bf16(x[i]));
 }
 
-// Lane l takes elements l, l + 8, l + 16, l + 24 of the chunk, in that order.
+// Lane l takes elements l and l + 8 of the part, in that order.
 inline Vec madd(Vec acc, const bf16* w, const XB* x) {
-  for (int c = 0; c < 32; c += W)
+  for (int c = 0; c < 16; c += W)
     for (int l = 0; l < W; ++l) acc.v[l] += from_bf16(w[c + l]) * x[c + l];
   return acc;
 }
 inline Vec madd(Vec acc, const float* w, const float* x) {
-  for (int c = 0; c < 16; c += W)
-    for (int l = 0; l < W; ++l) acc.v[l] += w[c + l] * x[c + l];
+  for (int l = 0; l < W; ++l) acc.v[l] += w[l] * x[l];
   return acc;
 }
 
