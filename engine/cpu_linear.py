@@ -86,6 +86,8 @@ class CpuLinear(nn.Module):
         if self.weight_t is not None:
             y = x @ self.weight_t
             return y if self.bias is None else y + self.bias
+        # bf16 with neither the kernel nor oneDNN bf16: torch's own bf16 path for a few rows, the
+        # weight widened to fp32 past them (table above).
         if self.dtype == torch.float32 or rows <= SMALL_ROWS:
             return F.linear(x, self._weight, self.bias)
         bias = None if self.bias is None else self.bias.float()
