@@ -54,9 +54,9 @@ import numpy as np
 
 from storage.broker import EmbeddedBroker, ensure_topics
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests` is not an installed package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is not an installed package
 from benchmarks.server_process import Server, server_process  # noqa: E402
-from tests.engine.conftest import write_tiny_hf_model  # noqa: E402
+from benchmarks.tiny_model import write_tiny_hf_model  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "capture_latency.json"
 KEY = "bench-key-0123456789abcdef"

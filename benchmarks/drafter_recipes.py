@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from engine.cpu_linear import optimize_for_cpu_inference
-from engine.dflash_train import Trainer, TrainConfig
-from engine.loading import load_model
-from engine.training_data import read_sequences
+from daemon.training.config import TrainConfig
+from daemon.training.sequences import read_sequences
+from daemon.training.trainer import Trainer
+from engine.loaders.load import load_for_inference
 
 RECIPES = {
     "b16-32anchors-fp32": dict(block_size=16, num_anchors=32),
@@ -63,8 +63,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--sequences", type=int, default=16, help="Train on the first N sequences")
     args = ap.parse_args()
-    loaded = load_model(None, torch.bfloat16, torch.device("cpu"))
-    optimize_for_cpu_inference(loaded.model)
+    loaded = load_for_inference(None, torch.bfloat16, torch.device("cpu"))
     sequences = read_sequences(args.data)[:args.sequences]
     warmup = -(-len(sequences) // args.batch_size)
     runs = []

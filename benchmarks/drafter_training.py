@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
-from engine.dflash_train import Trainer, TrainConfig
-from engine.loading import load_model
-from engine.training_data import read_sequences
+from daemon.training.config import TrainConfig
+from daemon.training.sequences import read_sequences
+from daemon.training.trainer import Trainer
+from engine.loaders.load import load_model
 
 
 def measure(cfg: TrainConfig, loaded, sequences: list, warmup: int) -> dict:  # noqa: ANN001 (LoadedModel)

@@ -16,7 +16,7 @@ so load from other processes on a shared machine falls on all of them alike.
 Our engine is measured directly (`LLMEngine.generate`) and, unless `--no-http`, through the real server
 as users run it: a `specloop serve` process (uvicorn, `/v1/completions`, one HTTP client thread per
 request). It has its own process because a server thread in this one would give libgomp a second
-thread team and slow every system measured here (engine/torch_thread.py).
+thread team and slow every system measured here (engine/runtime/torch_thread.py).
 
 llama.cpp (`llama_cpp`, on the GGUF's own Q4_1 weights) is added as a reference column, batch 1
 only, when it is installed (llama-cpp-python built from source in its own venv or this one, not a
@@ -45,13 +45,13 @@ from pathlib import Path
 import httpx
 import torch
 
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.cpu_linear import optimize_for_cpu_inference
-from engine.loading import build_model, default_model_path, read_checkpoint
-from engine.model import Transformer
-from engine.sequence import SamplingParams
-from engine.tokenizer import Tokenizer
-from engine.transformers_reference import transformers_llama
+from benchmarks.transformers_reference import transformers_llama
+from engine.cpu.linear import optimize_for_cpu_inference
+from engine.loaders.load import build_model, default_model_path, read_stored_model, resolve_device
+from engine.model.tokenizer import Tokenizer
+from engine.model.transformer import Transformer
+from engine.runtime.llm_engine import EngineConfig, LLMEngine
+from engine.runtime.sequence import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is not an installed package
 from benchmarks.machine import describe  # noqa: E402
@@ -184,7 +184,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="rounds over all systems")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     parser.add_argument("--http", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure our engine through the HTTP server")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -192,22 +192,22 @@ def main() -> None:
                         help="torch threads for every system; on a shared machine 1 avoids OpenMP barrier stalls")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    device, gguf = torch.device(args.device), default_model_path()
+    device, gguf = resolve_device(args.device), default_model_path()
     load_before = os.getloadavg()[0]
-    _, ckpt = read_checkpoint(gguf)
-    prompts = chat_prompts(ckpt.tokenizer)
+    _, stored = read_stored_model(gguf)
+    prompts = chat_prompts(stored.tokenizer)
 
     runners: dict[tuple[str, str], Runner] = {}
     batch1_only = set()
     with ExitStack() as stack:
         for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
-            ours = optimize_for_cpu_inference(build_model(ckpt, dtype, device))
-            runners[("specloop", name)] = engine_runner(ours, ckpt.tokenizer.eos_token_ids)
+            ours = optimize_for_cpu_inference(build_model(stored, dtype, device))
+            runners[("specloop", name)] = engine_runner(ours, stored.tokenizer.eos_token_ids)
             if args.http:
                 log = stack.enter_context(tempfile.TemporaryDirectory())
                 runners[("specloop HTTP", name)] = stack.enter_context(http_runner(name, Path(log) / "serve.log"))
-            hf = transformers_llama(ckpt, dtype, device)
-            runners[("transformers", name)] = transformers_runner(hf, ckpt.tokenizer.eos_token_ids[0])
+            hf = transformers_llama(stored, dtype, device)
+            runners[("transformers", name)] = transformers_runner(hf, stored.tokenizer.eos_token_ids[0])
         if importlib.util.find_spec("llama_cpp") is not None:
             runners[("llama.cpp", "Q4_1")] = llama_cpp_runner(gguf)
             batch1_only.add(("llama.cpp", "Q4_1"))

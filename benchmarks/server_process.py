@@ -1,24 +1,39 @@
 """A `specloop serve` process for benchmarks: started on a free loopback port, yielded once ready.
 
 Benchmarks measure the server as users run it, in its own process: an in-process server thread
-would share libgomp and the GIL with the benchmark's other systems (see engine/torch_thread.py).
+would share libgomp and the GIL with the benchmark's other systems (see engine/runtime/torch_thread.py).
 """
 
 import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
 from storage.broker import free_port
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tests` is not an installed package
-from tests.integration.conftest import wait_ready  # noqa: E402
-
 READY_S = 300  # the first start on a fresh machine also builds the CPU kernels
+
+
+def wait_ready(url: str, process: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    """Return once the server `process` (output in `log`) answers /ready with 200."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with status {process.returncode}: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/ready").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"server at {url} not ready within {timeout_s} s: {log.read_text()[-2000:]}")
 
 
 @dataclass(frozen=True)

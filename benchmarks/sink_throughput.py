@@ -43,7 +43,7 @@ from prometheus_client import CollectorRegistry
 
 from storage.broker import EmbeddedBroker, ensure_topics
 from storage.layout import write_parquet_atomic
-from storage.schema import SamplingParams, SpecStats, Trace, decode_row, decode_trace, rows_to_arrow, to_arrow
+from storage.schema import Trace, TraceSampling, TraceSpecStats, decode_row, decode_trace, rows_to_arrow, to_arrow
 from storage.sink import SinkConfig, TraceSink
 
 RESULTS = Path(__file__).parent / "results" / "sink_throughput.json"
@@ -73,10 +73,10 @@ def _trace(rng: random.Random, prompt_len: int, response_len: int, at: datetime)
         base_model="fp-bench",
         drafter_version="1",
         endpoint="/v1/chat/completions",
-        sampling=SamplingParams(temperature=0.7, top_p=0.95, top_k=0, max_tokens=512, seed=None),
+        sampling=TraceSampling(temperature=0.7, top_p=0.95, top_k=0, max_tokens=512, seed=None),
         prompt_token_ids=[rng.randrange(49152) for _ in range(prompt_len)],
         response_token_ids=[rng.randrange(49152) for _ in range(response_len)],
-        spec=SpecStats(drafts=40, draft_tokens=640, accepted_tokens=300),
+        spec=TraceSpecStats(drafts=40, draft_tokens=640, accepted_tokens=300),
         finish_reason="stop",
     )
 

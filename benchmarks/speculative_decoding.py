@@ -44,20 +44,21 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint import Checkpoint
-from engine.cpu_linear import optimize_for_cpu_inference
-from engine.dflash import DFlashDrafter
-from engine.dflash_proposer import DFlashProposer
-from engine.drafter_artifact import load_drafter
-from engine.fingerprint import base_model_fingerprint
-from engine.llm_engine import EngineConfig, LLMEngine
-from engine.loading import build_model, read_checkpoint
-from engine.model import Transformer
-from engine.ngram import NgramProposer
-from engine.proposer import CombinedProposer, Proposer
-from engine.sequence import SamplingParams, SpecStats
-from engine.training_data import read_sequences
-from engine.transformers_reference import transformers_llama
+from benchmarks.transformers_reference import transformers_llama
+from daemon.training.sequences import read_sequences
+from engine.cpu.linear import optimize_for_cpu_inference
+from engine.loaders.load import build_model, read_stored_model, resolve_device
+from engine.loaders.stored_model import StoredModel
+from engine.model.fingerprint import base_model_fingerprint
+from engine.model.transformer import Transformer
+from engine.runtime.llm_engine import EngineConfig, LLMEngine
+from engine.runtime.sequence import SamplingParams, SpecStats
+from engine.speculation.combined import CombinedProposer
+from engine.speculation.dflash import DFlashDrafter
+from engine.speculation.dflash_proposer import DFlashProposer
+from engine.speculation.drafter_artifact import load_drafter
+from engine.speculation.ngram import NgramProposer
+from engine.speculation.proposer import Proposer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is not an installed package
 from benchmarks.machine import describe  # noqa: E402
@@ -245,7 +246,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dflash-blocks", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     for field in ("prompts", "new_tokens", "repeats", "lookup_tokens"):
@@ -264,14 +265,14 @@ def load_prompts(path: Path, n: int) -> list[list[int]]:
     return prompts
 
 
-def build_runners(args: argparse.Namespace, ckpt: Checkpoint, gguf: Path, prompts: list[list[int]],
+def build_runners(args: argparse.Namespace, stored: StoredModel, gguf: Path, prompts: list[list[int]],
                   drafters: dict[str, DFlashDrafter]) -> dict[str, tuple[int | None, Runner]]:
-    device, dtype, eos = torch.device(args.device), DTYPES[args.dtype], ckpt.tokenizer.eos_token_ids
+    device, dtype, eos = torch.device(args.device), DTYPES[args.dtype], stored.tokenizer.eos_token_ids
     max_len = max(len(p) for p in prompts) + args.new_tokens + 1
     # transformers gets its own model: `optimize_for_cpu_inference` swaps our layers in place.
-    ours = optimize_for_cpu_inference(build_model(ckpt, dtype, device))
+    ours = optimize_for_cpu_inference(build_model(stored, dtype, device))
     runners = engine_runners(ours, eos, max_len, drafters, args.ngram_blocks, args.dflash_blocks)
-    hf = transformers_llama(ckpt, dtype, device)
+    hf = transformers_llama(stored, dtype, device)
     runners["transformers"] = (None, transformers_runner(hf, eos, None))
     runners[f"transformers prompt lookup ({args.lookup_tokens})"] = (args.lookup_tokens + 1,
                                                                      transformers_runner(hf, eos, args.lookup_tokens))
@@ -282,10 +283,11 @@ def build_runners(args: argparse.Namespace, ckpt: Checkpoint, gguf: Path, prompt
 
 def main() -> None:
     args = parse_args()
+    args.device = str(resolve_device(args.device))
     load_before = os.getloadavg()[0]
-    gguf, ckpt = read_checkpoint(None)
+    gguf, stored = read_stored_model(None)
     prompts = load_prompts(args.heldout, args.prompts)
-    fingerprint = base_model_fingerprint(ckpt.weights_digest, ckpt.config, ckpt.tokenizer)
+    fingerprint = base_model_fingerprint(stored.weights_digest, stored.config, stored.tokenizer)
     drafters = {}
     for path in args.drafter:
         if path.is_dir():
@@ -294,9 +296,9 @@ def main() -> None:
             print(f"no drafter at {path}: its DFlash systems skipped")
     if not args.drafter:
         print("no --drafter: DFlash systems skipped")
-    runners = build_runners(args, ckpt, gguf, prompts, drafters)
+    runners = build_runners(args, stored, gguf, prompts, drafters)
     started = time.perf_counter()
-    tallies = measure(runners, prompts, args.new_tokens, args.repeats, ckpt.tokenizer.eos_token_ids)
+    tallies = measure(runners, prompts, args.new_tokens, args.repeats, stored.tokenizer.eos_token_ids)
     rows = rows_from(tallies, {name: block for name, (block, _) in runners.items()})
     best = {family: best_of(rows, prefix) for family, prefix in
             (("n-gram", "specloop + n-gram"), ("dflash", "specloop + DFlash B="),

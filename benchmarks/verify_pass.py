@@ -19,9 +19,9 @@ import argparse
 import json
 import os
 import re
-import sys
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import types
@@ -29,12 +29,13 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import cache_dtype
-from engine.cpu_linear import optimize_for_cpu_inference
-from engine.fused_decode import FusedDecoder
-from engine.kv_cache import AttnBatch, KVCache
-from engine.loading import build_model, read_checkpoint
-from kernels.cpu_decode import SOURCE as KERNEL, compile_module, cpu_plan
+from engine.cpu.fused_decode import FusedDecoder
+from engine.cpu.linear import optimize_for_cpu_inference
+from engine.loaders.load import build_model, read_stored_model
+from engine.model.attention import cache_dtype
+from engine.runtime.kv_cache import AttnBatch, KVCache
+from kernels.cpu_decode import SOURCE as KERNEL
+from kernels.cpu_decode import compile_module, cpu_plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is not an installed package
 from benchmarks.machine import describe  # noqa: E402
@@ -84,8 +85,8 @@ def median_ms(decoders: dict[str, FusedDecoder], cache: KVCache, hidden: int, co
 def main() -> None:
     args = parse_args()
     load_before = os.getloadavg()[0]
-    gguf, ckpt = read_checkpoint(None)
-    model = optimize_for_cpu_inference(build_model(ckpt, torch.bfloat16, torch.device("cpu")))
+    gguf, stored = read_stored_model(None)
+    model = optimize_for_cpu_inference(build_model(stored, torch.bfloat16, torch.device("cpu")))
     if model.fused_decoder is None:
         raise SystemExit("the fused CPU kernel does not build on this machine: nothing to measure")
     cache = KVCache(model.config, 1, max(args.contexts) + max(ROWS), cache_dtype(model.dtype, model.device),

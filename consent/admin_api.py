@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import AwareDatetime, BaseModel, ConfigDict
 
+from consent.erasure import TraceEraser
 from consent.registry import ConsentRecord, ConsentRegistry, InvalidField
 from consent.service import ConsentService, record_fields
 from consent.settings import ConsentConfig
@@ -104,10 +105,11 @@ def _validation_error(exc: RequestValidationError) -> JSONResponse:
 
 
 def build_admin_router(
-    registry: ConsentRegistry, config: ConsentConfig, tenants: TenantDirectory
+    registry: ConsentRegistry, config: ConsentConfig, tenants: TenantDirectory, erase_traces: TraceEraser | None = None
 ) -> APIRouter:
-    """Routes `POST /consents`, `POST /consents/revoke`, `GET /consents`, `POST /consents/query`."""
-    service = ConsentService(registry, config, tenants)
+    """Routes `POST /consents`, `POST /consents/revoke`, `GET /consents`, `POST /consents/query`;
+    revoking with `erase` needs `erase_traces` (`consent/erasure.py`)."""
+    service = ConsentService(registry, config, tenants, erase_traces)
     route_class = type("AdminRoute", (_AdminRoute,), {"admin_token": config.admin_token.encode()})
     router = APIRouter(route_class=route_class, tags=["consent admin"])
 

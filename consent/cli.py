@@ -2,7 +2,8 @@
 
 Reads the same `SPECLOOP_*` settings as the engine (so it pseudonymizes with the same key and
 writes the same registry and audit log) and calls `consent.service`; it holds no consent logic.
-Errors an operator can fix exit with status 2 and name the option.
+Errors an operator can fix exit with status 2 and name the option. `register` takes storage's trace
+eraser from the caller (`daemon/cli.py`), since consent does not import storage.
 """
 
 import getpass
@@ -14,6 +15,7 @@ from typing import Annotated
 
 import typer
 
+from consent.erasure import TraceEraser
 from consent.registry import ConsentRecord, ConsentRegistry, InvalidField
 from consent.service import ConsentService, record_fields
 from consent.settings import ConsentSettings
@@ -27,12 +29,13 @@ Subject = Annotated[str | None, typer.Option(help="Subject pseudonym, instead of
 Purpose = Annotated[str | None, typer.Option(help="Purpose; default: the tenant's.")]
 
 
-def register(app: typer.Typer) -> None:
-    app.add_typer(consent_app, name="consent")
+def register(app: typer.Typer, erase_traces: TraceEraser) -> None:
+    app.add_typer(consent_app, name="consent", context_settings={"obj": erase_traces})
 
 
 @consent_app.command()
 def grant(
+    ctx: typer.Context,
     tenant: Tenant,
     user: User = None,
     subject: Subject = None,
@@ -42,7 +45,7 @@ def grant(
     source: Annotated[str, typer.Option(help="Where the consent was given.")] = "cli",
 ) -> None:
     """Record that a subject consents to capture for a purpose."""
-    with _service() as service:
+    with _service(ctx.obj) as service:
         expiry = _parse_time(expires_at, "expires_at")
         record = service.grant(tenant, user, subject, purpose, policy_version, expiry, source,
                                _actor())
@@ -51,6 +54,7 @@ def grant(
 
 @consent_app.command()
 def revoke(
+    ctx: typer.Context,
     tenant: Tenant,
     user: User = None,
     subject: Subject = None,
@@ -58,7 +62,7 @@ def revoke(
     erase: Annotated[bool, typer.Option(help="Also erase the subject's stored traces.")] = False,
 ) -> None:
     """Revoke a subject's consent; with --erase, also rewrite their traces out of Parquet."""
-    with _service() as service:
+    with _service(ctx.obj) as service:
         outcome = service.revoke(tenant, user, subject, purpose, erase, _actor())
     typer.echo(json.dumps({"revoked": [record_fields(r) for r in outcome.revoked],
                            "erasure": outcome.erasure}))
@@ -66,6 +70,7 @@ def revoke(
 
 @consent_app.command("list")
 def list_(
+    ctx: typer.Context,
     tenant: Annotated[str | None, typer.Option(help="Tenant name.")] = None,
     user: User = None,
     subject: Subject = None,
@@ -73,7 +78,7 @@ def list_(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
 ) -> None:
     """List consent records, oldest first."""
-    with _service() as service:
+    with _service(ctx.obj) as service:
         records = service.list(tenant, user, subject, purpose)
     if as_json:
         for record in records:
@@ -85,7 +90,7 @@ def list_(
 
 
 @contextmanager
-def _service() -> Iterator[ConsentService]:
+def _service(erase_traces: TraceEraser) -> Iterator[ConsentService]:
     """The service over the configured registry; operator errors exit with status 2."""
     try:
         config = ConsentSettings().resolve()
@@ -94,7 +99,7 @@ def _service() -> Iterator[ConsentService]:
         _fail(str(exc))
     registry = ConsentRegistry(config.registry_path)
     try:
-        yield ConsentService(registry, config, tenants)
+        yield ConsentService(registry, config, tenants, erase_traces)
     except InvalidField as exc:
         _fail(f"--{exc.field.replace('_', '-')}: {exc.message}")
     finally:

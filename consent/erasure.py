@@ -1,13 +1,19 @@
 """Revocation with erasure: revoke a subject's consent, remove their stored traces, audit it.
 
 Order matters: consent is revoked first, so no new trace of the subject is captured (or used by a
-dataset build) while Parquet files are rewritten; then `storage.erasure.erase_subject` rewrites
-every affected file without the subject's rows; then one audit entry records who asked, what was
-revoked and how many rows and files were rewritten. A failed erasure is audited as failed and
-re-raised, and can simply be run again. This module does not touch Parquet itself.
+dataset build) while Parquet files are rewritten; then the trace eraser rewrites every affected
+file without the subject's rows; then one audit entry records who asked, what was revoked and how
+many rows and files were rewritten. A failed erasure is audited as failed and re-raised, and can
+simply be run again.
+
+This module does not touch Parquet, and consent does not import storage: the eraser
+(`storage.erasure.erase_subject`) is handed in by the code above both that joins them, the
+engine's trace hook (`engine/server/trace_hook.py`, for the admin API) and the command line root
+(`daemon/cli.py`, for `specloop consent revoke --erase`).
 """
 
 import dataclasses
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -15,9 +21,13 @@ from typing import Any
 from consent.audit import append_audit
 from consent.registry import ConsentRecord, ConsentRegistry
 
+# (traces root, tenant, subject pseudonym) -> a dataclass reporting the files and rows rewritten.
+TraceEraser = Callable[[Path, str, str], Any]
+
 
 def revoke_and_erase(
     registry: ConsentRegistry,
+    erase_traces: TraceEraser,
     traces_root: Path,
     tenant: str,
     subject: str,
@@ -31,13 +41,11 @@ def revoke_and_erase(
 
     `subject` is the pseudonym; resolve a raw user id with `Pseudonymizer.subject` first.
     """
-    from storage.erasure import erase_subject  # storage is heavy and optional for the engine
-
     revoked = registry.revoke(tenant, subject, purpose, at=datetime.now(UTC))
     what = {"tenant": tenant, "subject": subject, "purpose": purpose,
             "consents_revoked": [r.consent_id for r in revoked], "traces_root": str(traces_root)}
     try:
-        result = erase_subject(traces_root, tenant, subject)
+        result = erase_traces(traces_root, tenant, subject)
     except Exception as exc:
         append_audit(audit_log, "revoke_and_erase", actor, status="failed", error=repr(exc), **what)
         raise

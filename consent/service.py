@@ -11,7 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from consent.audit import append_audit
-from consent.erasure import revoke_and_erase
+from consent.erasure import TraceEraser, revoke_and_erase
 from consent.pseudonym import Pseudonymizer, is_pseudonym
 from consent.registry import ConsentRecord, ConsentRegistry, InvalidField
 from consent.settings import ConsentConfig
@@ -25,14 +25,20 @@ class RevokeOutcome:
 
 
 class ConsentService:
-    """Admin operations over one registry. Thread-safe as the registry is."""
+    """Admin operations over one registry. Thread-safe as the registry is.
+
+    `erase_traces` is storage's eraser, given by whoever wires consent to storage
+    (`consent/erasure.py`); without it a revoke with erasure is refused.
+    """
 
     def __init__(
-        self, registry: ConsentRegistry, config: ConsentConfig, tenants: TenantDirectory
+        self, registry: ConsentRegistry, config: ConsentConfig, tenants: TenantDirectory,
+        erase_traces: TraceEraser | None = None,
     ) -> None:
         self.registry = registry
         self.config = config
         self.tenants = tenants
+        self.erase_traces = erase_traces
         self._pseudonymizer = Pseudonymizer(config.hmac_key)
 
     def subject_of(self, tenant: str, user: str | None, subject: str | None) -> str:
@@ -81,7 +87,9 @@ class ConsentService:
         self._tenant(tenant)
         pseudonym = self.subject_of(tenant, user, subject)
         if erase:
-            revoked, entry = revoke_and_erase(self.registry, self.config.traces_root, tenant,
+            if self.erase_traces is None:
+                raise InvalidField("erase", "trace erasure is not available here")
+            revoked, entry = revoke_and_erase(self.registry, self.erase_traces, self.config.traces_root, tenant,
                                               pseudonym, self.config.audit_log_path, actor, purpose)
             return RevokeOutcome(revoked, entry)
         revoked = self.registry.revoke(tenant, pseudonym, purpose)

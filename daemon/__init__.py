@@ -1,1 +1,2 @@
-"""The retraining daemon and the `specloop` command line (the daemon itself is a later issue)."""
+"""The retraining side: offline drafter training (`training/`) and evaluation (`evaluation/`), the
+`specloop` command line root and `specloop up`."""

@@ -1,23 +1,68 @@
-"""The `specloop` console script: one typer app that every package adds its commands to.
+"""The `specloop` console script: one typer app that every package adds its commands to, and the
+one logging setup every command runs under.
 
 Each package owns its commands in its own module and exposes `register(app)`; this file only
-collects them, so it holds no command logic of its own. The command modules import their heavy
-dependencies (torch, FastAPI, Kafka clients) inside the commands, so `specloop --help` stays fast.
+collects them and configures logging before any command runs (`specloop --log-level debug serve`,
+or `SPECLOOP_LOG_LEVEL`). The command modules import their heavy dependencies (torch, FastAPI,
+Kafka clients) inside the commands, so `specloop --help` stays fast. Child processes that
+`specloop up` starts run this same app (`python -m daemon.cli sink ...`), so they log the same way.
 """
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
 from consent import cli as consent_cli
 from daemon import stack
-from engine import cli as engine_cli
-from engine import drafter_cli, generate_cli
+from daemon.training import build_dataset, generate
+from daemon.training import cli as training_cli
+from engine.server import cli as engine_cli
 from storage import cli as storage_cli
+
+if TYPE_CHECKING:
+    from storage.erasure import ErasureResult
+
+LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="specloop: a speculative-decoding loop.")
 
-for module in (engine_cli, generate_cli, drafter_cli, storage_cli, consent_cli, stack):
+
+
+def _erase_traces(root: Path, tenant: str, subject: str) -> "ErasureResult":
+    """storage's Parquet rewrite for `specloop consent revoke --erase`: here, above both consent and
+    storage, is where the two meet (imported when used: pyarrow and DuckDB would slow every command)."""
+    from storage.erasure import erase_subject
+
+    return erase_subject(root, tenant, subject)
+
+
+for module in (engine_cli, generate, training_cli, build_dataset, storage_cli, stack):
     module.register(app)
+consent_cli.register(app, _erase_traces)
+
+
+@app.callback()
+def _root(log_level: Annotated[LogLevel, typer.Option(envvar="SPECLOOP_LOG_LEVEL", help="Log level of every part")]
+          = "info") -> None:
+    configure_logging(log_level)
+
+
+def configure_logging(level: LogLevel) -> None:
+    """One format on stderr for every command; kafka-python's connection chatter only when asked for.
+
+    kafka-python logs every connection at INFO, a dozen lines per producer (re)connect, so its
+    loggers stay at WARNING unless the level is `debug`.
+    """
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kafka").setLevel(logging.DEBUG if level == "debug" else max(logging.WARNING,
+                                                                                    logging.getLogger().level))
 
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

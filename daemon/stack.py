@@ -2,7 +2,7 @@
 
 It starts the embedded tansu broker (memory storage; `--durable` puts it on S3 storage against a
 local moto server, so a broker restart keeps topics and offsets, though moto itself keeps them in
-memory only), creates the trace topics, starts the sink (`python -m storage.cli sink`, its own
+memory only), creates the trace topics, starts the sink (`python -m daemon.cli sink`, its own
 process) writing Parquet under the consent settings' traces root (`data/traces`), then serves the
 model with trace capture pointed at the broker. SIGINT or SIGTERM stops it in dependency order:
 the server drains requests and flushes capture, then the sink writes and commits what it holds,
@@ -64,13 +64,12 @@ def up(
 ) -> None:
     """Run broker, sink and server with trace capture on this machine until SIGINT/SIGTERM."""
     from consent.settings import ConsentSettings
-    from engine.cli import configure_logging, load_settings, run_server
+    from engine.server.cli import load_settings, run_server
     from storage.broker import free_port
 
     broker_port = broker_port or free_port()
     options = {k: v for k, v in {"model": model, "host": host, "port": port}.items() if v is not None}
     settings = load_settings({**options, "kafka_bootstrap": f"127.0.0.1:{broker_port}"})
-    configure_logging(settings)
     consent_settings = ConsentSettings()
     consent = consent_settings.resolve()
     _handle_stop_signals(_raise_stopped)
@@ -132,7 +131,7 @@ def _start_sink(stack: ExitStack, bootstrap: str, topic: str, root: Path) -> Non
     Serving before that would let a quick start-and-stop end with traces on the broker that the
     sink never read, which memory storage then loses.
     """
-    command = [sys.executable, "-m", "storage.cli", "sink", "--bootstrap-servers", bootstrap, "--root", str(root),
+    command = [sys.executable, "-m", "daemon.cli", "sink", "--bootstrap-servers", bootstrap, "--root", str(root),
                "--topic", topic, "--group-id", SINK_GROUP, "--dead-letter-topic", DEAD_LETTER_TOPIC,
                "--flush-interval-s", str(_SINK_FLUSH_S)]
     sink = subprocess.Popen(command, start_new_session=True, preexec_fn=die_with_parent())

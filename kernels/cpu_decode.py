@@ -10,7 +10,7 @@ links OpenMP so that `at::parallel_for` runs on torch's own thread pool (both lo
 `libgomp.so.1` torch ships).
 
 This file only builds and loads; which build this process uses is `cpu_plan()` (logged once), and
-when to use the kernels is `engine/fused_decode.py`'s and `engine/cpu_linear.py`'s business. Where
+when to use the kernels is `engine/cpu/fused_decode.py`'s and `engine/cpu/linear.py`'s business. Where
 a build fails (no compiler) everything runs on the eager path, after one warning.
 """
 

@@ -4,7 +4,7 @@ oneDNN's bf16 path or are computed in fp32 from bf16 weights.
 The decisions are pure functions of a `CpuFeatures` value, so a test can hand in a CPU that lacks
 a feature and see the fallback; `CpuFeatures.detect()` reads the real one (Linux's /proc/cpuinfo
 flags, which list only what the kernel has enabled). Nothing here builds or loads anything
-(`kernels/cpu_decode.py`) or decides which pass runs where (`engine/cpu_linear.py`).
+(`kernels/cpu_decode.py`) or decides which pass runs where (`engine/cpu/linear.py`).
 
 `SPECLOOP_CPU_ISA` lowers the ceiling: `avx2` on an AVX-512 machine chooses everything as an
 AVX2-only CPU would (the C++ kernels' AVX2 build, no oneDNN bf16), which is how tests and CI run

@@ -10,7 +10,8 @@ the sink still flushes and commits what it holds.
 The signal follows the *thread* that started the child, so start these from a thread that lives as
 long as the process (the main thread, everywhere here). Elsewhere than Linux this does nothing.
 
-Not here: starting or stopping any particular process (`storage/broker.py`, `daemon/stack.py`).
+Not here: starting or stopping any particular process (`storage/broker.py`, `daemon/stack.py`). It
+lives in storage, the lower of its two users: the broker here, and `specloop up`, which imports storage.
 """
 
 import ctypes

@@ -1,18 +1,15 @@
-"""The storage commands of `specloop`: `sink`, `compact`, `build-dataset` and `broker`.
+"""The storage commands of `specloop`: `sink`, `compact` and `broker`.
 
-`register(app)` adds them to the one typer app (`daemon.cli`); `python -m storage.cli ...` runs the
-same commands without the other packages (the fault test starts the sink that way). Each command
-validates its options, then calls one function of the storage package; no storage logic lives here.
+`register(app)` adds them to the one typer app (`daemon.cli`), which also sets up logging. Each
+command validates its options, then calls one function of the storage package; no storage logic
+lives here.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import signal
 import threading
-from dataclasses import asdict
-from datetime import datetime
 from pathlib import Path
 from typing import Annotated
 
@@ -25,7 +22,6 @@ _ROOT = typer.Option(help="Root directory of the trace Parquet files")
 def register(app: typer.Typer) -> None:
     app.command("sink")(sink)
     app.command("compact")(compact)
-    app.command("build-dataset")(build_dataset)
     app.command("broker")(broker)
 
 
@@ -49,7 +45,6 @@ def sink(
     from storage.broker import ensure_topics
     from storage.sink import SinkConfig, TraceSink
 
-    _log_to_stderr()
     try:
         config = SinkConfig(
             bootstrap_servers=bootstrap_servers,
@@ -75,42 +70,8 @@ def compact(root: Annotated[Path, _ROOT], min_files: int = 2) -> None:
     """Merge the small Parquet files of each hive directory, rows unchanged."""
     from storage.compaction import compact as run_compaction
 
-    _log_to_stderr()
     result = run_compaction(root, min_files)
     typer.echo(f"merged {result.sources_removed} files ({result.rows} rows) into {len(result.merged_files)}")
-
-
-def build_dataset(
-    root: Annotated[Path, _ROOT],
-    output: Annotated[Path, typer.Option(help="Directory for train/eval Parquet and manifest.json")],
-    consent_db: Annotated[Path, typer.Option(help="The consent registry SQLite file")],
-    base_model: Annotated[str, typer.Option(help="Base-model fingerprint to select")],
-    since: Annotated[datetime | None, typer.Option(help="Earliest created_at (UTC)")] = None,
-    until: Annotated[datetime | None, typer.Option(help="Latest created_at, exclusive (UTC)")] = None,
-    limit: int | None = None,
-    eval_fraction: float = 0.1,
-    purpose: str = "drafter_training",
-) -> None:
-    """Build a drafter-training dataset from consented traces of one base model."""
-    from consent.registry import ConsentRegistry
-    from storage.dataset import build_dataset as run_build
-
-    registry = ConsentRegistry(consent_db)
-    try:
-        snapshot = registry.snapshot(purpose)
-    finally:
-        registry.close()
-    manifest = run_build(
-        root,
-        output,
-        snapshot,
-        base_model=base_model,
-        since=_as_utc(since),
-        until=_as_utc(until),
-        limit=limit,
-        eval_fraction=eval_fraction,
-    )
-    typer.echo(json.dumps(asdict(manifest), indent=2))
 
 
 def broker(
@@ -143,25 +104,9 @@ def _json_object(text: str, option: str) -> dict[str, object]:
     return value
 
 
-def _as_utc(at: datetime | None) -> datetime | None:
-    """typer parses naive datetimes; the command line means UTC."""
-    from datetime import UTC
-
-    return at if at is None or at.tzinfo else at.replace(tzinfo=UTC)
-
 
 def _stop_on_signal() -> threading.Event:
     stop = threading.Event()
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, lambda *_: stop.set())
     return stop
-
-
-def _log_to_stderr() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-
-
-if __name__ == "__main__":
-    _app = typer.Typer(no_args_is_help=True, add_completion=False)
-    register(_app)
-    _app()

@@ -8,7 +8,8 @@ finishes any interrupted compaction, so it never races a merge.
 Limit: a sink batch not yet committed when erasure runs is replayed from Kafka and can bring the
 subject's rows back; the dataset builder still excludes them (it joins against consent), and
 running erasure again after the sink has caught up removes them. This module is not the consent
-registry and writes no audit log: `consent/` calls `erase_subject` and records the result.
+registry and writes no audit log: consent's revocation is handed `erase_subject` by the code that
+joins the two (`consent/erasure.py` says where) and records the result.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
 
-class SamplingParams(_Strict):
+class TraceSampling(_Strict):
     """The sampling parameters the request was served with (OpenAI names and meanings)."""
 
     temperature: float = Field(ge=0.0)
@@ -67,7 +67,7 @@ class SamplingParams(_Strict):
     frequency_penalty: float = 0.0
 
 
-class SpecStats(_Strict):
+class TraceSpecStats(_Strict):
     """Speculation counters of one request; `accepted_tokens` excludes the bonus token."""
 
     drafts: int = Field(ge=0, description="target verify steps that checked a draft")
@@ -75,7 +75,7 @@ class SpecStats(_Strict):
     accepted_tokens: int = Field(ge=0)
 
     @model_validator(mode="after")
-    def _accepted_within_drafted(self) -> SpecStats:
+    def _accepted_within_drafted(self) -> TraceSpecStats:
         if self.accepted_tokens > self.draft_tokens:
             raise ValueError("accepted_tokens exceeds draft_tokens")
         return self
@@ -95,12 +95,12 @@ class Trace(_Strict):
     base_model: Annotated[str, Field(pattern=_SAFE_ID)]
     drafter_version: ShortText | None
     endpoint: ShortText
-    sampling: SamplingParams
+    sampling: TraceSampling
     prompt_token_ids: Annotated[list[TokenId], Field(min_length=1)]
     response_token_ids: list[TokenId]
     prompt_text: str | None = None
     response_text: str | None = None
-    spec: SpecStats
+    spec: TraceSpecStats
     finish_reason: Literal["stop", "length", "abort", "error"]
 
     @model_validator(mode="after")
@@ -306,8 +306,8 @@ class _WireTrace(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_onl
 
 
 assert _WireTrace.__struct_fields__ == tuple(Trace.model_fields), "wire mirror and Trace fields diverged"
-assert _WireSampling.__struct_fields__ == tuple(SamplingParams.model_fields)
-assert _WireSpec.__struct_fields__ == tuple(SpecStats.model_fields)
+assert _WireSampling.__struct_fields__ == tuple(TraceSampling.model_fields)
+assert _WireSpec.__struct_fields__ == tuple(TraceSpecStats.model_fields)
 _WIRE = msgspec.json.Decoder(_WireTrace)
 # Valid JSON (msgspec checked it) holding only these bytes between its brackets is a list of integers.
 _INTEGER_LIST_BYTES = b"0123456789,- \t\n\r"

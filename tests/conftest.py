@@ -27,6 +27,8 @@ from kernels.cpu_decode import cpu_plan, load, this_cpu
 from kernels.cpu_features import FORCE_VARIABLE, Isa, runnable
 from storage.broker import EmbeddedBroker, LocalS3
 
+pytest_plugins = ["tests.model_fixtures"]
+
 torch.set_num_threads(1)
 KERNEL_ISAS = runnable(this_cpu(), ceiling=cpu_plan().isa)
 with ThreadPoolExecutor(len(KERNEL_ISAS)) as _builds:  # each build is one compiler process

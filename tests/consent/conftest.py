@@ -68,10 +68,10 @@ def write_traces(config: ConsentConfig) -> Callable[[list[tuple[str, str]], int]
                 trace_id=f"t-{first_offset + i}", created_at=at, finished_at=at, tenant=tenant,
                 subject=subject, consent_id="c-1", consent_policy_version="2025-06",
                 base_model="fp-test", drafter_version=None, endpoint="/v1/chat/completions",
-                sampling=schema.SamplingParams(temperature=0.0, top_p=1.0, top_k=0, max_tokens=8),
+                sampling=schema.TraceSampling(temperature=0.0, top_p=1.0, top_k=0, max_tokens=8),
                 prompt_token_ids=[1, 2, 3], response_token_ids=[4, 5], prompt_text="hi",
                 response_text="hello",
-                spec=schema.SpecStats(drafts=1, draft_tokens=4, accepted_tokens=2),
+                spec=schema.TraceSpecStats(drafts=1, draft_tokens=4, accepted_tokens=2),
                 finish_reason="stop",
             )
             for i, (tenant, subject) in enumerate(owners)

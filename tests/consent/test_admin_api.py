@@ -13,6 +13,7 @@ from consent.pseudonym import Pseudonymizer
 from consent.registry import ConsentRegistry
 from consent.settings import ConsentConfig
 from consent.tenants import TenantDirectory
+from storage.erasure import erase_subject
 
 ADMIN_TOKEN = "adm1n-tok3n-for-tests-9f8e7d6c5b4a3210"
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -23,7 +24,7 @@ def client(registry: ConsentRegistry, config: ConsentConfig,
            tenants: TenantDirectory) -> Iterator[TestClient]:
     assert config.admin_token == ADMIN_TOKEN
     app = FastAPI()
-    app.include_router(build_admin_router(registry, config, tenants), prefix="/admin")
+    app.include_router(build_admin_router(registry, config, tenants, erase_subject), prefix="/admin")
     with TestClient(app) as c:
         yield c
 

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from consent.cli import register
 from consent.pseudonym import Pseudonymizer
 from consent.registry import ConsentRegistry
+from storage.erasure import erase_subject
 
 STRONG_KEY = "q8Vn2LrT5wXy7Zb1Cd4Ef6Gh9Jk3Mn0Pq"
 
@@ -26,7 +27,7 @@ def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., object
     monkeypatch.setenv("SPECLOOP_TENANTS_FILE", str(tenants))
     monkeypatch.setenv("SPECLOOP_HMAC_KEY", STRONG_KEY)
     app = typer.Typer()
-    register(app)
+    register(app, erase_subject)
 
     def invoke(*args: str) -> object:
         return CliRunner().invoke(app, ["consent", *args])

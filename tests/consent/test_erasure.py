@@ -1,4 +1,7 @@
-"""Revoke-and-erase against real Parquet files written by storage, and the audit log."""
+"""Revoke-and-erase against real Parquet files written by storage, and the audit log.
+
+consent does not import storage; these tests join them as the engine and the CLI do, by handing
+storage's `erase_subject` to `revoke_and_erase`."""
 
 import json
 from collections.abc import Callable
@@ -10,8 +13,7 @@ from consent.erasure import revoke_and_erase
 from consent.pseudonym import Pseudonymizer
 from consent.registry import ConsentRegistry
 from consent.settings import ConsentConfig
-
-pytest.importorskip("storage.erasure")
+from storage.erasure import erase_subject
 
 WriteTraces = Callable[[list[tuple[str, str]], int], Path]
 
@@ -28,7 +30,7 @@ def test_revoke_and_erase(registry: ConsentRegistry, config: ConsentConfig,
     before = untouched.stat().st_mtime_ns
     assert subject_rows("acme", gone) == 2
 
-    revoked, entry = revoke_and_erase(registry, config.traces_root, "acme", gone,
+    revoked, entry = revoke_and_erase(registry, erase_subject, config.traces_root, "acme", gone,
                                       config.audit_log_path, actor="test:ops")
 
     assert [r.consent_id for r in revoked] == [consent.consent_id]
@@ -53,26 +55,22 @@ def test_erase_is_repeatable(registry: ConsentRegistry, config: ConsentConfig,
     subject = pseudonymizer.subject("acme", "u1")
     write_traces([("acme", subject)], 0)
     for _ in range(2):
-        revoke_and_erase(registry, config.traces_root, "acme", subject, config.audit_log_path,
+        revoke_and_erase(registry, erase_subject, config.traces_root, "acme", subject, config.audit_log_path,
                          actor="test")
     entries = [json.loads(x) for x in config.audit_log_path.read_text().splitlines()]
     assert [e["erasure"]["rows_removed"] for e in entries] == [1, 0]
 
 
 def test_failed_erasure_is_audited_and_raised(
-    registry: ConsentRegistry, config: ConsentConfig, pseudonymizer: Pseudonymizer,
-    monkeypatch: pytest.MonkeyPatch
+    registry: ConsentRegistry, config: ConsentConfig, pseudonymizer: Pseudonymizer
 ) -> None:
-    import storage.erasure
-
     def broken(root: Path, tenant: str, subject: str) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr(storage.erasure, "erase_subject", broken)
     subject = pseudonymizer.subject("acme", "u1")
     registry.grant("acme", subject, "drafter_training", "v1", "test")
     with pytest.raises(OSError, match="disk full"):
-        revoke_and_erase(registry, config.traces_root, "acme", subject, config.audit_log_path,
+        revoke_and_erase(registry, broken, config.traces_root, "acme", subject, config.audit_log_path,
                          actor="test")
     [entry] = [json.loads(x) for x in config.audit_log_path.read_text().splitlines()]
     assert entry["status"] == "failed" and "disk full" in entry["error"]

@@ -1,14 +1,12 @@
 """Fixtures for the end-to-end capture tests: a real server with capture wired as `specloop serve` does.
 
-`capture_stack(...)` serves the tiny random Llama (`tests/engine/conftest.py`) with n-gram
-speculation behind a real uvicorn, through `engine.cli.serving_app` (the same wiring as the CLI:
+`capture_stack(...)` serves the tiny random Llama (`tests/model_fixtures.py`) with n-gram
+speculation behind a real uvicorn, through `engine.server.cli.serving_app` (the same wiring as the CLI:
 tenants, consent registry, capture policy, Kafka producer, admin API), pointed at the session's
 real tansu broker, with a real `TraceSink` thread writing Parquet. Nothing is mocked.
 """
 
-import subprocess
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,16 +21,15 @@ from pydantic import SecretStr
 
 from consent.pseudonym import Pseudonymizer
 from consent.settings import ConsentConfig, ConsentSettings
-from engine.cli import serving_app
-from engine.llm_engine import LLMEngine
-from engine.loading import LoadedModel
-from engine.ngram import NgramProposer
-from engine.server_thread import serve_in_thread
-from engine.settings import ServerSettings
+from engine.loaders.load import LoadedModel
+from engine.runtime.llm_engine import LLMEngine
+from engine.server.cli import serving_app
+from engine.server.settings import ServerSettings
+from engine.speculation.ngram import NgramProposer
 from storage.broker import EmbeddedBroker, ensure_topics
 from storage.sink import SinkConfig, TraceSink
-from tests.engine.api.conftest import tiny_loaded  # noqa: F401  (fixtures, used by name)
-from tests.engine.conftest import tiny_hf_model, tiny_llama_dir  # noqa: F401
+from tests.engine.server.conftest import tiny_loaded  # noqa: F401  (fixtures, used by name)
+from tests.server_thread import serve_in_thread
 
 ACME_KEY = "acme-key-0123456789abcdef"  # tenant that allows capture
 INITECH_KEY = "initech-key-0123456789abcd"  # tenant that never allows capture
@@ -108,21 +105,6 @@ def serving(loaded: LoadedModel, settings: ServerSettings, consent: ConsentSetti
 
 def server_settings(**capture: object) -> ServerSettings:
     return ServerSettings(max_len=256, num_slots=4, dtype="float32", device="cpu", **capture)
-
-
-def wait_ready(url: str, process: subprocess.Popen, log: Path, timeout_s: float) -> None:
-    """Return once the server `process` (output in `log`) answers /ready with 200."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with status {process.returncode}: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/ready").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"server at {url} not ready within {timeout_s} s: {log.read_text()[-2000:]}")
 
 
 @contextmanager

@@ -1,6 +1,6 @@
 """Capture end to end: HTTP request → consent decision → Kafka (real tansu) → sink → Parquet → erasure.
 
-The server is wired exactly as `specloop serve --kafka-bootstrap` wires it (`engine.cli.serving_app`).
+The server is wired exactly as `specloop serve --kafka-bootstrap` wires it (`engine.server.cli.serving_app`).
 "Never reaches Kafka" is checked on the topic itself, by consuming every partition from the start.
 """
 

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from engine.loading import LoadedModel
+from engine.loaders.load import LoadedModel
 from storage.broker import free_port
 from tests.integration.conftest import ACME_KEY, TENANTS_YAML, consent_settings, server_settings, serving
 

@@ -12,9 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.server_process import wait_ready
 from storage.broker import free_port
 from storage.layout import live_files
-from tests.integration.conftest import ACME_KEY, TENANTS_YAML, wait_ready
+from tests.integration.conftest import ACME_KEY, TENANTS_YAML
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -1,7 +1,7 @@
 """The fault test: exactly N traces in Parquet although the sink is SIGKILLed again and again and
 the broker (tansu on S3 storage against moto) restarts once while traces are being produced.
 
-The sink runs as a real subprocess (`python -m storage.cli sink`) with small batches, so it flushes
+The sink runs as a real subprocess (`python -m daemon.cli sink`) with small batches, so it flushes
 many times; a supervisor kills it at random moments (seeded), mostly shortly after it has started
 flushing, so kills land inside flushes, between a file write and its commit, and during group joins.
 At the end every trace_id appears exactly once in the raw files, with no duplicate rows.
@@ -34,7 +34,7 @@ class _Supervisor:
 
     def __init__(self, broker: EmbeddedBroker, root: Path, log: Path, rng: random.Random) -> None:
         self._command = [
-            sys.executable, "-m", "storage.cli", "sink",
+            sys.executable, "-m", "daemon.cli", "sink",
             "--bootstrap-servers", broker.bootstrap_servers, "--root", str(root), "--topic", TOPIC,
             "--dead-letter-topic", f"{TOPIC}.dlq", "--flush-records", "150", "--flush-interval-s", "0.2",
             "--kafka-config", '{"session.timeout.ms": 3000, "heartbeat.interval.ms": 1000}',

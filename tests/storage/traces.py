@@ -4,7 +4,7 @@ import random
 import uuid
 from datetime import UTC, datetime, timedelta
 
-from storage.schema import SamplingParams, SpecStats, Trace
+from storage.schema import Trace, TraceSampling, TraceSpecStats
 
 SUBJECT_A = "a" * 64
 SUBJECT_B = "b" * 64
@@ -35,11 +35,11 @@ def make_trace(
         base_model=base_model,
         drafter_version="3",
         endpoint="/v1/chat/completions",
-        sampling=SamplingParams(temperature=0.0, top_p=1.0, top_k=0, max_tokens=64, seed=7),
+        sampling=TraceSampling(temperature=0.0, top_p=1.0, top_k=0, max_tokens=64, seed=7),
         prompt_token_ids=[rng.randrange(49152) for _ in range(prompt_len)],
         response_token_ids=[rng.randrange(49152) for _ in range(response_len)],
         prompt_text="hello",
         response_text="world",
-        spec=SpecStats(drafts=4, draft_tokens=16, accepted_tokens=9),
+        spec=TraceSpecStats(drafts=4, draft_tokens=16, accepted_tokens=9),
         finish_reason="stop",
     )

@@ -1,0 +1,1 @@
+"""Drafter evaluation: τ by replay over stored target outputs, and by real speculative generation."""

@@ -1,0 +1,159 @@
+"""The drafter commands of `specloop`: `train-drafter` and `eval-drafter`.
+
+`register(app)` adds them to the one typer app (`daemon.cli`). Each command validates its options,
+loads the target once, and calls one function: `Trainer.run` (daemon/training/trainer.py) or
+`compare` (daemon/evaluation/replay.py). Results are printed as JSON.
+
+`train-drafter` declares only its own options (data, output, target model, dtype, device); the
+training options, with their defaults and help, are `TrainConfig`'s fields
+(daemon/training/config.py), turned into typer options here.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Callable
+from dataclasses import fields
+from pathlib import Path
+from typing import Annotated, Any, get_type_hints
+
+import typer
+
+from daemon.training.config import Option, TrainConfig
+
+_DATA = typer.Option(help="JSONL or Parquet file/directory with prompt_token_ids and response_token_ids")
+_MODEL = typer.Option(help="Target model: Hugging Face directory or .gguf file (default: SmolLM2-135M GGUF)")
+_DEVICE = typer.Option(help="auto, cpu, cuda, cuda:N (default: auto, a GPU when there is one)")
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
+
+
+def register(app: typer.Typer) -> None:
+    app.command("train-drafter")(train_drafter)
+    app.command("eval-drafter")(eval_drafter)
+
+
+def _target(model: str | None, dtype: str, device: str | None):  # noqa: ANN202 (LoadedModel, imported lazily)
+    """The frozen target, with CPU-inference linears (the drafter only borrows its weights)."""
+    import torch
+
+    from engine.loaders.load import load_for_inference, resolve_device
+
+    if dtype not in _DTYPES:
+        raise typer.BadParameter(f"--dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return load_for_inference(model, getattr(torch, dtype), resolve_device(device))
+
+
+def _config_options() -> list[tuple[str, Option]]:
+    """(field name, how it is offered) of each TrainConfig field that is a `train-drafter` option."""
+    return [(f.name, f.metadata["option"]) for f in fields(TrainConfig) if "option" in f.metadata]
+
+
+def _config_parameters() -> list[inspect.Parameter]:
+    """TrainConfig's options as keyword parameters annotated for typer, with the field's default and help."""
+    defaults, hints = {f.name: f.default for f in fields(TrainConfig)}, get_type_hints(TrainConfig)
+    params = []
+    for name, how in _config_options():
+        # A default would have to be converted back into the option's unit to be shown.
+        assert how.to_field is None or defaults[name] is None, f"{name}: a converted option needs default None"
+        kind = hints[name] if how.flag_type is None else how.flag_type
+        params.append(inspect.Parameter(how.flag or name, inspect.Parameter.KEYWORD_ONLY, default=defaults[name],
+                                        annotation=Annotated[kind, typer.Option(help=how.help)]))
+    return params
+
+
+def _with_config_options(command: Callable[..., None]) -> Callable[..., None]:
+    """`command` with TrainConfig's options in place of its `**options`: typer reads a command's options
+    from its signature, so the command's own options stay declared in its `def`, the rest in TrainConfig."""
+    own = inspect.signature(command, eval_str=True)
+    params = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    command.__signature__ = own.replace(parameters=[*params, *_config_parameters()])
+    return command
+
+
+def _train_config(out: Path, options: dict[str, Any]) -> TrainConfig:
+    """The TrainConfig of a `train-drafter` invocation (ValueError naming the field when it is invalid)."""
+    values = {}
+    for name, how in _config_options():
+        value = options[how.flag or name]
+        values[name] = value if how.to_field is None or value is None else how.to_field(value)
+    return TrainConfig(out_dir=str(out), **values)
+
+
+@_with_config_options
+def train_drafter(
+    data: Annotated[list[Path], _DATA],
+    out: Annotated[Path, typer.Option(help="Artifact directory (also holds the resumable checkpoint)")],
+    model: Annotated[str | None, _MODEL] = None,
+    dtype: str = "float32",
+    device: Annotated[str | None, _DEVICE] = None,
+    **options: Any,  # TrainConfig's options (`_with_config_options`)
+) -> None:
+    """Train a DFlash drafter on the target's own outputs and write the artifact to OUT."""
+    from daemon.training.sequences import read_sequences
+    from daemon.training.trainer import Trainer
+
+    try:
+        cfg = _train_config(out, options)
+        sequences = read_sequences(data)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    loaded = _target(model, dtype, device)
+    try:
+        trainer = Trainer(cfg, loaded.model, loaded.fingerprint, sequences)
+    except ValueError as e:  # unusable data, a checkpoint of another run, a warm start for another model
+        raise typer.BadParameter(str(e)) from e
+    result = trainer.run()
+    typer.echo(json.dumps({
+        "artifact": str(result.artifact), "steps": result.steps, "seconds": round(result.seconds, 1),
+        "steps_per_second": result.steps_per_second, "train_response_tokens": result.train_tokens,
+        "final_train_loss": result.final_train_loss, "best_heldout_loss": result.best_heldout_loss,
+        "stop_reason": result.stop_reason, "features": result.features, "history": result.history,
+    }, indent=2))
+
+
+def eval_drafter(
+    data: Annotated[list[Path], _DATA],
+    drafter: Annotated[list[Path] | None, typer.Option(help="Drafter artifact directory (repeatable)")] = None,
+    ngram: Annotated[bool, typer.Option(help="Include the n-gram lookup baseline")] = True,
+    ngram_block_size: Annotated[int | None, typer.Option(
+        help="Default: the first drafter's block size, else 8")] = None,
+    combined: Annotated[bool, typer.Option(help="Also replay each drafter combined with n-gram lookup")] = True,
+    min_match: Annotated[int, typer.Option(help="Combined: n-gram match length that overrides the drafter")] = 3,
+    block_size: Annotated[int | None, typer.Option(help="Serve drafters at this (lower) block size")] = None,
+    model: Annotated[str | None, _MODEL] = None,
+    dtype: str = "float32",
+    device: Annotated[str | None, _DEVICE] = None,
+    limit: Annotated[int | None, typer.Option(help="Use only the first N sequences")] = None,
+    batch_size: int = 8,
+    generate: Annotated[bool, typer.Option(help="Also measure by real speculative generation on the engine")] = False,
+    concurrency: Annotated[int, typer.Option(help="--generate: sequences decoded together")] = 8,
+    output: Annotated[Path | None, typer.Option(help="Also write the JSON here")] = None,
+) -> None:
+    """Tau and per-position acceptance on stored target outputs: replayed, and with --generate also
+    measured by real speculative generation."""
+    from daemon.evaluation.replay import compare
+    from daemon.training.sequences import read_sequences
+    from engine.speculation.drafter_artifact import read_meta
+
+    try:
+        sequences = read_sequences(data)[:limit]
+        drafters = list(drafter or [])
+        first_block = read_meta(drafters[0])["config"]["block_size"] if drafters else 8
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    if not sequences:
+        raise typer.BadParameter("--data holds no sequences")
+    if concurrency <= 0:
+        raise typer.BadParameter(f"--concurrency must be > 0, got {concurrency}")
+    loaded = _target(model, dtype, device)
+    nb = (ngram_block_size or block_size or first_block) if ngram else None
+    try:
+        report = compare(loaded.model, loaded.fingerprint, sequences, drafters, nb, combined, block_size,
+                         min_match, batch_size, concurrency if generate else None)
+    except ValueError as e:  # a drafter for another base model, a block size it was not trained for
+        raise typer.BadParameter(str(e)) from e
+    text = json.dumps(report, indent=2)
+    if output is not None:
+        output.write_text(text + "\n")
+    typer.echo(text)

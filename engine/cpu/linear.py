@@ -1,0 +1,118 @@
+"""Inference-only linear layers tuned for the CPU's matrix kernels; on other devices nothing changes.
+
+Measured here (2 cores, GB/s of weights streamed). fp32 on the 576 → 49152 LM head, best of 3:
+
+| dtype | rows | `F.linear` | `x @ W.T` (W.T contiguous) | oneDNN prepacked |
+| --- | --- | --- | --- | --- |
+| fp32 | 1 | 11.4 | 23.7 | 9.0 |
+| fp32 | 8 | 5.2 | 4.9 | 6.6 |
+
+bf16 on forty 576 → 3072 matrices (140 MB, so nothing stays in cache), idle machine: `F.linear`
+11.8 at one row; prepacked 19.6 at one row, 18.6 at two, 15.7 at eight (`F.linear` at eight rows:
+3.8 on the LM head). So bf16 runs prepacked, and fp32 keeps the transposed weight where the C++
+kernels do not build.
+
+Passes of at most `SMALL_ROWS` rows go to the C++ kernel in `kernels/cpu_decode.cpp`: weights packed
+in 4-row tiles, one sequential read each. On the LM head in bf16 (AVX-512 BF16): 1.9 ms at one row
+and 2.2 at eight, against 2.3 and 2.4 for oneDNN prepacked. Larger passes use oneDNN (bf16) or
+`F.linear` (fp32).
+
+Where oneDNN has no native bf16 dot products (`kernels/cpu_features.py`: AVX2-only CPUs, where its
+bf16 path refuses to run, and AVX-512 CPUs without BF16, where it emulates them) bf16 weights stay
+bf16 and are computed in fp32: the kernel widens them up to `WIDENED_ROWS` rows, and larger passes
+widen the whole weight for one fp32 `F.linear`. Measured on a Xeon Ice Lake with the AVX2 build
+(ms, 576 → 3072 | LM head):
+
+| rows | kernel | widen + fp32 `F.linear` | bf16 `F.linear` |
+| --- | --- | --- | --- |
+| 1 | 0.07 / 2.63 | 0.39 / 30.3 | 0.15 / 3.59 |
+| 8 | 0.29 / 5.93 | 0.63 / 40.1 | 1.00 / 16.8 |
+| 32 | 1.31 / 23.0 | 1.96 / 49.2 | 4.13 / 65.4 |
+| 64 | 2.66 / 47.9 | 1.55 / 47.5 | 8.27 / 138 |
+| 512 | | 6.8 / 159 | 75.5 / 1269 |
+
+and on the same CPU unforced, oneDNN's emulated bf16 at 512 rows took 30.6 ms on 576 → 3072.
+
+These layers have no autograd: training code must use the plain `nn.Linear` model.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.cpu.fused_decode import attach
+from engine.model.transformer import Transformer
+from kernels.cpu_decode import cpu_plan, load
+
+# Rows up to which the C++ kernel beats prepacked oneDNN on its own (bf16 LM head: 2.2 vs 2.4 ms at
+# 8 rows, 4.8 vs 3.3 at 16). Inside the fused pass, with no glue ops, it wins up to 16 rows.
+SMALL_ROWS = 8
+# Rows up to which the kernel beats widening a bf16 weight for fp32 `F.linear` (table above).
+WIDENED_ROWS = 32
+
+
+class CpuLinear(nn.Module):
+    """A frozen `nn.Linear` replacement; `weight` stays readable in `[out, in]` layout."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        w = linear.weight.detach()  # [out, in]
+        self.bias = None if linear.bias is None else linear.bias.detach()
+        self.dtype = w.dtype
+        self.kernel = load() if w.shape[1] % 32 == 0 else None
+        native_bf16 = cpu_plan().onednn_bf16
+        self.kernel_rows = SMALL_ROWS if w.dtype == torch.float32 or native_bf16 else WIDENED_ROWS
+        self._weight, self.weight_t, self.packed = w, None, None
+        self._tiles = None  # the kernel's layout, made on the first small pass (see `forward`)
+        if w.dtype != torch.float32 and native_bf16:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
+        elif w.dtype == torch.float32 and self.kernel is None:
+            self._weight, self.weight_t = None, w.t().contiguous()  # [in, out]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._weight if self._weight is not None else self.weight_t.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        if self.kernel is not None and rows <= self.kernel_rows:
+            # Packed on first use: the layers the fused pass covers (engine/cpu/fused_decode.py) never
+            # see a small pass, so they never hold this extra copy.
+            if self._tiles is None:
+                self._tiles = self.kernel.pack(self._weight)
+            return self.kernel.linear(x, self._tiles, self._weight.shape[0], self.bias)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.weight_t is not None:
+            y = x @ self.weight_t
+            return y if self.bias is None else y + self.bias
+        # bf16 with neither the kernel nor oneDNN bf16: torch's own bf16 path for a few rows, the
+        # weight widened to fp32 past them (table above).
+        if self.dtype == torch.float32 or rows <= SMALL_ROWS:
+            return F.linear(x, self._weight, self.bias)
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self._weight.float(), bias).to(self.dtype)
+
+
+def _on_cpu(module: nn.Module) -> bool:
+    return next(module.parameters()).device.type == "cpu" and torch.backends.mkldnn.is_available()
+
+
+def for_cpu_inference(linear: nn.Linear) -> nn.Module:
+    """A frozen `linear` as a `CpuLinear` on the CPU; `linear` itself elsewhere."""
+    return CpuLinear(linear) if _on_cpu(linear) else linear
+
+
+def optimize_for_cpu_inference(model: nn.Module, fused: bool = True) -> nn.Module:
+    """Swap every `nn.Linear` inside a frozen CPU model for a `CpuLinear`, in place, and give a
+    `Transformer` the fused small-batch forward pass when `fused` and the kernels build; a no-op off
+    the CPU. A bare `nn.Linear` has nothing inside it: use `for_cpu_inference`."""
+    if not _on_cpu(model):
+        return model
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, CpuLinear(child))
+    if fused and isinstance(model, Transformer):
+        attach(model)
+    return model

@@ -1,0 +1,97 @@
+"""Read a Hugging Face model directory into a `StoredModel`: config, weights, tokenizer, chat template.
+
+Expects what `save_pretrained` writes: `config.json`; weights as one `model.safetensors` or shards
+listed in `model.safetensors.index.json`; `tokenizer.json`; the chat template in
+`chat_template.jinja` (transformers >= 4.47) or in `tokenizer_config.json`; and optionally
+`generation_config.json`, whose `eos_token_id` decides when generation stops.
+
+Weights stay in the dtype the files store (cast once, in `load.py`). PyTorch pickles
+(`pytorch_model.bin`) are refused: loading them runs arbitrary code.
+"""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer as BackendTokenizer
+
+from engine.loaders.stored_model import StoredModel
+from engine.model.config import ModelConfig
+from engine.model.fingerprint import weights_digest
+from engine.model.tokenizer import Tokenizer
+
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def read_hf_dir(path: Path) -> StoredModel:
+    config = ModelConfig.from_hf(_read_json(path / "config.json"))
+    weights = read_safetensors(path)
+    tokenizer = read_hf_tokenizer(path, config)
+    digest = weights_digest((name, str(t.dtype), tuple(t.shape), t.contiguous().view(torch.uint8).numpy())
+                            for name, t in weights.items())
+    return StoredModel(config, weights, tokenizer, digest, path.resolve().name)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ValueError(f"model directory {path.parent}: missing {path.name}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a single or sharded safetensors model, by name."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(_read_json(index)["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model directory {path}: no *.safetensors weights (pytorch_model.bin is not supported)")
+    weights: dict[str, torch.Tensor] = {}
+    for name in files:
+        if not (path / name).is_file():
+            raise ValueError(f"model directory {path}: shard {name} listed in the index is missing")
+        weights.update(load_file(path / name))
+    return weights
+
+
+def read_hf_tokenizer(path: Path, config: ModelConfig) -> Tokenizer:
+    if not (path / "tokenizer.json").is_file():
+        raise ValueError(f"model directory {path}: missing tokenizer.json")
+    backend = BackendTokenizer.from_file(str(path / "tokenizer.json"))
+    tok_config = _read_json(path / "tokenizer_config.json") if (path / "tokenizer_config.json").is_file() else {}
+    special = {name: text for name in _SPECIAL_NAMES if (text := _token_text(tok_config.get(name)))}
+    eos_ids = _eos_ids(path, config, backend, special.get("eos_token"))
+    return Tokenizer(backend, _chat_template(path, tok_config), special, eos_ids)
+
+
+def _token_text(value: str | dict[str, Any] | None) -> str | None:
+    # tokenizer_config.json writes a special token either as text or as a serialized AddedToken.
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _chat_template(path: Path, tok_config: dict[str, Any]) -> str | None:
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):
+        # Several named templates: the served chat uses the one named "default".
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template
+
+
+def _eos_ids(path: Path, config: ModelConfig, backend: BackendTokenizer, eos_text: str | None) -> tuple[int, ...]:
+    """Stop ids: generation_config.json first (what `generate` obeys), then config.json, then the tokenizer's."""
+    gen = path / "generation_config.json"
+    gen_eos = _read_json(gen).get("eos_token_id") if gen.is_file() else None
+    ids = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+    ids += list(config.eos_token_ids)
+    if eos_text is not None and (eos_id := backend.token_to_id(eos_text)) is not None:
+        ids.append(eos_id)
+    return tuple(dict.fromkeys(int(i) for i in ids))

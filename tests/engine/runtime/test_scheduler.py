@@ -1,0 +1,189 @@
+"""The scheduler alone: FIFO admission into the lowest free slots, prefill chunks within the token
+budget, which sequences decode, and finishing (slots freed once, waiting requests dropped)."""
+
+import pytest
+
+from engine.runtime.scheduler import PrefillChunk, Scheduler
+from engine.runtime.sequence import SamplingParams, Sequence, Status
+
+pytestmark = pytest.mark.timeout(30)
+
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+def seq(prompt_len: int) -> Sequence:
+    return Sequence(list(range(1, prompt_len + 1)), PARAMS)
+
+
+def spans(chunks: list[PrefillChunk]) -> list[tuple[Sequence, int, int, bool]]:
+    return [(c.seq, c.start, c.end, c.is_last) for c in chunks]
+
+
+def run_prefill(chunks: list[PrefillChunk]) -> None:
+    """What the engine does with a step's chunks: cache them, and sample a first token after the last."""
+    for c in chunks:
+        c.seq.num_cached = c.end
+        if c.is_last:
+            c.seq.output_ids.append(0)
+
+
+@pytest.mark.parametrize("budget", [0, -3])
+def test_rejects_non_positive_prefill_budget(budget: int) -> None:
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        Scheduler(num_slots=2, max_prefill_tokens=budget)
+
+
+def test_admits_in_arrival_order_into_lowest_slots_until_full() -> None:
+    sched = Scheduler(num_slots=3, max_prefill_tokens=64)
+    seqs = [seq(2) for _ in range(5)]
+    for s in seqs:
+        sched.add(s)
+    admitted = sched.admit()
+    assert admitted == seqs[:3]
+    assert [s.slot for s in admitted] == [0, 1, 2]
+    assert [s.status for s in seqs] == [Status.RUNNING] * 3 + [Status.WAITING] * 2
+    assert list(sched.waiting) == seqs[3:] and seqs[3].slot == -1
+    # No slot free: nothing more gets in, however often we ask.
+    assert sched.admit() == []
+    assert list(sched.waiting) == seqs[3:]
+
+
+def test_finished_sequence_frees_its_slot_for_the_next_waiting_one() -> None:
+    sched = Scheduler(num_slots=3, max_prefill_tokens=64)
+    a, b, c, d, e, f = (seq(2) for _ in range(6))
+    for s in (a, b, c, d, e, f):
+        sched.add(s)
+    sched.admit()
+    sched.finish(b)
+    assert b.status is Status.FINISHED and b not in sched.running
+    assert sched.admit() == [d] and d.slot == 1
+    # Slots freed out of order are still handed out lowest first.
+    sched.finish(c)
+    sched.finish(a)
+    assert sched.admit() == [e, f]
+    assert (e.slot, f.slot) == (0, 2)
+
+
+def test_finishing_twice_frees_the_slot_once() -> None:
+    sched = Scheduler(num_slots=1, max_prefill_tokens=64)
+    a, b, c = seq(2), seq(2), seq(2)
+    sched.add(a)
+    sched.admit()
+    sched.finish(a)
+    sched.finish(a)
+    sched.add(b)
+    sched.add(c)
+    assert sched.admit() == [b]
+    assert list(sched.waiting) == [c] and c.status is Status.WAITING
+
+
+def test_finishing_a_waiting_sequence_drops_it_without_freeing_a_slot() -> None:
+    sched = Scheduler(num_slots=1, max_prefill_tokens=64)
+    a, b, c = seq(2), seq(2), seq(2)
+    for s in (a, b, c):
+        sched.add(s)
+    sched.admit()
+    sched.finish(b)  # aborted while waiting
+    assert b.status is Status.FINISHED and list(sched.waiting) == [c]
+    assert sched.admit() == []  # a still holds the only slot
+    sched.finish(a)
+    assert sched.admit() == [c] and c.slot == 0
+
+
+def test_has_work_until_everything_is_finished() -> None:
+    sched = Scheduler(num_slots=1, max_prefill_tokens=64)
+    assert not sched.has_work
+    a, b = seq(2), seq(2)
+    sched.add(a)
+    sched.add(b)
+    assert sched.has_work
+    sched.admit()
+    sched.finish(a)
+    assert sched.has_work  # b is still waiting
+    sched.admit()
+    sched.finish(b)
+    assert not sched.has_work
+
+
+def test_prefill_chunks_share_the_token_budget_in_admission_order() -> None:
+    sched = Scheduler(num_slots=4, max_prefill_tokens=8)
+    a, b, c = seq(5), seq(6), seq(3)
+    for s in (a, b, c):
+        sched.add(s)
+    sched.admit()
+    # Step 1: all of a (5), then 3 of b's 6; c gets nothing.
+    chunks = sched.prefill_chunks()
+    assert spans(chunks) == [(a, 0, 5, True), (b, 0, 3, False)]
+    run_prefill(chunks)
+    # Step 2: the rest of b continues where it stopped, then all of c (3 + 3 <= 8).
+    chunks = sched.prefill_chunks()
+    assert spans(chunks) == [(b, 3, 6, True), (c, 0, 3, True)]
+    run_prefill(chunks)
+    # Step 3: every prompt is cached, so nothing to prefill and everyone decodes.
+    assert sched.prefill_chunks() == []
+    assert sched.decoding() == [a, b, c]
+
+
+def test_long_prompt_is_chunked_and_holds_later_prompts_back() -> None:
+    sched = Scheduler(num_slots=2, max_prefill_tokens=4)
+    long, short = seq(10), seq(2)
+    sched.add(long)
+    sched.add(short)
+    sched.admit()
+    steps = []
+    while chunks := sched.prefill_chunks():
+        steps.append(spans(chunks))
+        run_prefill(chunks)
+    assert steps == [
+        [(long, 0, 4, False)],
+        [(long, 4, 8, False)],
+        [(long, 8, 10, True), (short, 0, 2, True)],
+    ]
+
+
+def test_budget_of_one_token_still_makes_progress() -> None:
+    sched = Scheduler(num_slots=2, max_prefill_tokens=1)
+    a, b = seq(2), seq(1)
+    sched.add(a)
+    sched.add(b)
+    sched.admit()
+    steps = []
+    while chunks := sched.prefill_chunks():
+        steps.append(spans(chunks))
+        run_prefill(chunks)
+    assert steps == [[(a, 0, 1, False)], [(a, 1, 2, True)], [(b, 0, 1, True)]]
+
+
+def test_decoding_has_only_fully_prefilled_sequences_ordered_by_slot() -> None:
+    sched = Scheduler(num_slots=3, max_prefill_tokens=4)
+    a, b, c, d = seq(2), seq(2), seq(2), seq(9)
+    for s in (a, b, c):
+        sched.add(s)
+    sched.admit()
+    run_prefill(sched.prefill_chunks())  # a and b fully, c not at all (budget 4)
+    assert sched.decoding() == [a, b]
+    # a leaves; d takes slot 0 and is admitted after b and c, but only b and c decode.
+    sched.finish(a)
+    sched.add(d)
+    assert sched.admit() == [d] and d.slot == 0
+    chunks = sched.prefill_chunks()
+    assert spans(chunks) == [(c, 0, 2, True), (d, 0, 2, False)]  # b decodes, so it takes no budget
+    run_prefill(chunks)
+    assert sched.decoding() == [b, c]
+    assert spans(sched.prefill_chunks()) == [(d, 2, 6, False)]
+    run_prefill(sched.prefill_chunks())
+    assert spans(sched.prefill_chunks()) == [(d, 6, 9, True)]
+    run_prefill(sched.prefill_chunks())
+    # Admission order is [b, c, d], but decode batches follow slots: d sits in slot 0.
+    assert sched.decoding() == [d, b, c]
+
+
+def test_aborted_prefill_gives_its_budget_to_the_next_prompt() -> None:
+    sched = Scheduler(num_slots=2, max_prefill_tokens=4)
+    a, b = seq(12), seq(3)
+    sched.add(a)
+    sched.add(b)
+    sched.admit()
+    run_prefill(sched.prefill_chunks())  # a: [0, 4)
+    sched.finish(a)
+    assert spans(sched.prefill_chunks()) == [(b, 0, 3, True)]
