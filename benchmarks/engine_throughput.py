@@ -45,7 +45,6 @@ from pathlib import Path
 import httpx
 import torch
 
-from benchmarks.transformers_reference import transformers_llama
 from engine.cpu.linear import optimize_for_cpu_inference
 from engine.loaders.load import build_model, default_model_path, read_stored_model, resolve_device
 from engine.model.tokenizer import Tokenizer
@@ -55,6 +54,7 @@ from engine.runtime.sequence import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is not an installed package
 from benchmarks.machine import describe  # noqa: E402
+from benchmarks.transformers_reference import transformers_llama  # noqa: E402
 from benchmarks.server_process import server_process  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "engine_throughput.json"

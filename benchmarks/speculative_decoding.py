@@ -44,7 +44,6 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.transformers_reference import transformers_llama
 from daemon.training.sequences import read_sequences
 from engine.cpu.linear import optimize_for_cpu_inference
 from engine.loaders.load import build_model, read_stored_model, resolve_device
@@ -62,6 +61,7 @@ from engine.speculation.proposer import Proposer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is not an installed package
 from benchmarks.machine import describe  # noqa: E402
+from benchmarks.transformers_reference import transformers_llama  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "speculative_decoding.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

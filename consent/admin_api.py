@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import AwareDatetime, BaseModel, ConfigDict
+from starlette.exceptions import HTTPException
 
 from consent.erasure import TraceEraser
 from consent.registry import ConsentRecord, ConsentRegistry, InvalidField
@@ -78,19 +79,29 @@ class _AdminRoute(APIRoute):
                 return await handler(request)
             except RequestValidationError as exc:
                 return _validation_error(exc)
+            except HTTPException as exc:  # FastAPI's own, e.g. a body that is not UTF-8 at all
+                return error_response(exc.status_code, str(exc.detail), None, "invalid_body")
             except InvalidField as exc:
                 return error_response(400, str(exc), exc.field, "invalid_value")
 
         return route
 
     def _refuse(self, authorization: str | None) -> JSONResponse | None:
-        assert self.admin_token, "build the router with build_admin_router"
+        assert self.admin_token, "build the router's routes with admin_route_class"
         scheme, _, token = (authorization or "").partition(" ")
         if scheme.lower() != "bearer" or not token:
             return error_response(401, "missing admin bearer token", None, "missing_admin_token")
         if not hmac.compare_digest(token.strip().encode(), self.admin_token):
             return error_response(403, "invalid admin token", None, "invalid_admin_token")
         return None
+
+
+def admin_route_class(admin_token: str) -> type[APIRoute]:
+    """A route class for every admin router (consent's here, the engine's drafter reload): routes that
+    check `Authorization: Bearer <admin_token>` before anything else and answer errors in the OpenAI shape."""
+    if not admin_token:
+        raise ValueError("admin_token must not be empty")
+    return type("AdminRoute", (_AdminRoute,), {"admin_token": admin_token.encode()})
 
 
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
@@ -110,8 +121,7 @@ def build_admin_router(
     """Routes `POST /consents`, `POST /consents/revoke`, `GET /consents`, `POST /consents/query`;
     revoking with `erase` needs `erase_traces` (`consent/erasure.py`)."""
     service = ConsentService(registry, config, tenants, erase_traces)
-    route_class = type("AdminRoute", (_AdminRoute,), {"admin_token": config.admin_token.encode()})
-    router = APIRouter(route_class=route_class, tags=["consent admin"])
+    router = APIRouter(route_class=admin_route_class(config.admin_token), tags=["consent admin"])
 
     def actor(request: Request) -> str:
         return f"admin_api:{request.client.host if request.client else 'unknown'}"

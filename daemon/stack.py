@@ -4,7 +4,9 @@ It starts the embedded tansu broker (memory storage; `--durable` puts it on S3 s
 local moto server, so a broker restart keeps topics and offsets, though moto itself keeps them in
 memory only), creates the trace topics, starts the sink (`python -m daemon.cli sink`, its own
 process) writing Parquet under the consent settings' traces root (`data/traces`), then serves the
-model with trace capture pointed at the broker. SIGINT or SIGTERM stops it in dependency order:
+model with trace capture pointed at the broker, drafting with the `champion` drafter of the embedded
+MLflow registry (`data/registry/`, SQLite and local artifacts), which the shipped drafter seeds
+(`daemon/shipped_drafters.py`) when it holds none for the served model. SIGINT or SIGTERM stops it in dependency order:
 the server drains requests and flushes capture, then the sink writes and commits what it holds,
 then the broker and moto stop. Ctrl-C in a terminal signals the whole foreground process group;
 the children must not act on it, or the broker would be gone before the server's last traces
@@ -72,6 +74,9 @@ def up(
     settings = load_settings({**options, "kafka_bootstrap": f"127.0.0.1:{broker_port}"})
     consent_settings = ConsentSettings()
     consent = consent_settings.resolve()
+    if settings.drafter is None and settings.registry is None:
+        settings = load_settings({**options, "kafka_bootstrap": settings.kafka_bootstrap,
+                                  "registry": _embedded_registry(consent_settings.data_dir)})
     _handle_stop_signals(_raise_stopped)
     with ExitStack() as stack:
         try:
@@ -84,6 +89,18 @@ def up(
             log.info("%s: stopping server, sink and broker in order", stopped)
         finally:
             _handle_stop_signals(_already_stopping)
+
+
+def _embedded_registry(data_dir: Path) -> str:
+    """The embedded MLflow registry's URI, seeded with the shipped drafters."""
+    from daemon.shipped_drafters import seed_registry
+    from storage.registry import DrafterRegistry
+
+    directory = data_dir / "registry"
+    directory.mkdir(parents=True, exist_ok=True)
+    uri = f"sqlite:///{(directory / 'mlflow.db').resolve()}"
+    seed_registry(DrafterRegistry(uri, directory / "artifacts"))
+    return uri
 
 
 def _handle_stop_signals(handler: Callable[[int, FrameType | None], None]) -> None:

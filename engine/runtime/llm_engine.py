@@ -8,6 +8,14 @@ batch changes shape every step.
 
 Callers either `stream()` from asyncio (the HTTP server) or call `generate()` synchronously
 (benchmarks, data generation, tests). The engine knows token ids only: no text, no HTTP.
+
+Drafter swaps (`swap`) take effect between two steps. A sequence keeps the drafter it was admitted
+with until it finishes, so for a while two drafters serve side by side, each verifying its own
+sequences. The other choice, rebuilding the new drafter's context for running sequences, would need
+the target's hidden states of every cached position at the new drafter's tap layers, that is a
+second target pass over every context; keeping the old drafter costs a second, smaller verify pass
+per step until its last sequence ends, and verification is lossless either way. Sequences admitted
+before any drafter existed never speculate: no drafter observed their prompt.
 """
 
 from __future__ import annotations
@@ -16,7 +24,8 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
@@ -30,10 +39,15 @@ from engine.runtime.sampler import Sampler
 from engine.runtime.scheduler import PrefillChunk, Scheduler
 from engine.runtime.sequence import SamplingParams, Sequence, Status, TokenDelta
 from engine.runtime.torch_thread import TorchThread
+from engine.speculation.proposer import ServedDrafter
 from engine.speculation.verify import accept_lengths, committed_tokens
 
 if TYPE_CHECKING:
     from engine.speculation.proposer import Proposer
+
+# Builds the next drafter on the engine thread, between two steps, from the per-slot capacity it
+# must allocate: (num_slots, positions per slot). Raising refuses the swap; None swaps to no drafter.
+DrafterBuild = Callable[[int, int], "ServedDrafter | None"]
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +71,17 @@ class EngineConfig:
     max_len: int = 2048  # context length: prompt + completion tokens per sequence
     max_prefill_tokens: int = 2048
     speculate: bool = True  # server-wide switch; only matters when a proposer is loaded
+    # The longest verify block any drafter may bring, now or after a swap: the KV cache holds this many
+    # positions past max_len for a verify pass's dead rows (16 per slot: 0.8% of a 2048 context).
+    max_block_size: int = 16
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {self.num_slots}")
         if self.max_len < 2:
             raise ValueError(f"max_len must be >= 2, got {self.max_len}")
+        if self.max_block_size < 2:
+            raise ValueError(f"max_block_size must be >= 2, got {self.max_block_size}")
 
 
 class PromptTooLong(ValueError):
@@ -78,23 +97,31 @@ class EngineStats:
     kv_tokens_used: int = 0
     kv_tokens_total: int = 0
     steps: int = 0
+    drafter_version: str | None = None  # the drafter new sequences get
+    drafters_live: int = 0  # drafters serving sequences: 2 for a while after a swap
+    swaps: int = 0
+    last_swap_pause_s: float = 0.0  # the engine thread's time spent in the last swap, build included
 
 
 class LLMEngine:
     def __init__(self, model: Transformer, config: EngineConfig, eos_token_ids: Seq[int],
-                 proposer: Proposer | None = None, thread: TorchThread | None = None) -> None:
+                 proposer: Proposer | None = None, thread: TorchThread | None = None,
+                 drafter_version: str | None = None) -> None:
         """`thread` runs the loop after `start()`: pass the one that built the model and this engine
-        (see `engine/runtime/torch_thread.py`); without it, `start()` makes a new one."""
+        (see `engine/runtime/torch_thread.py`); without it, `start()` makes a new one.
+        `drafter_version` names `proposer`'s drafter (see `ServedDrafter`)."""
         if config.max_len > model.rope_cos.shape[0]:
             raise ValueError(f"max_len {config.max_len} exceeds the model's {model.rope_cos.shape[0]} positions")
         self.model = model
         self.config = config
         self.eos = frozenset(eos_token_ids)
-        self.proposer = proposer
-        slack = proposer.block_size if proposer else 1
-        self.runner = ModelRunner(model, config.num_slots, config.max_len, slack)
+        self.runner = ModelRunner(model, config.num_slots, config.max_len, config.max_block_size)
+        self.drafter: ServedDrafter | None = None  # what new sequences get
+        self._drafters: list[ServedDrafter] = []  # every drafter serving a sequence, and the current one
         if proposer:
-            proposer.allocate(config.num_slots, config.max_len + slack)
+            self._serve(ServedDrafter(self._allocated(proposer), drafter_version))
+        self._swaps: queue.SimpleQueue = queue.SimpleQueue()
+        self._swap_count, self._swap_pause_s = 0, 0.0
         self.scheduler = Scheduler(config.num_slots, config.max_prefill_tokens)
         self.sampler = Sampler(model.device)
         self._listeners: dict[int, Listener] = {}
@@ -103,7 +130,8 @@ class LLMEngine:
         self._thread = thread
         self._loop_done: Future | None = None
         self._steps = 0
-        self._stats = EngineStats(slots_total=config.num_slots, kv_tokens_total=config.num_slots * config.max_len)
+        self._stats = EngineStats(slots_total=config.num_slots, kv_tokens_total=config.num_slots * config.max_len,
+                                  drafter_version=self.drafter_version, drafters_live=len(self._drafters))
 
     # ----- public API -------------------------------------------------------------------------
 
@@ -118,6 +146,13 @@ class LLMEngine:
         if self._loop_done is not None:
             wait([self._loop_done], timeout=30)
             self._loop_done = None
+        while True:  # swaps asked for but never applied: their callers must not wait forever
+            try:
+                _, done = self._swaps.get_nowait()
+            except queue.Empty:
+                break
+            if done.set_running_or_notify_cancel():
+                done.set_exception(RuntimeError("engine stopped before the swap"))
 
     @property
     def alive(self) -> bool:
@@ -125,6 +160,27 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    @property
+    def proposer(self) -> Proposer | None:
+        """The proposer new sequences draft with."""
+        return self.drafter.proposer if self.drafter else None
+
+    @property
+    def drafter_version(self) -> str | None:
+        return self.drafter.version if self.drafter else None
+
+    def swap(self, build: DrafterBuild) -> Future:
+        """Serve the drafter `build(num_slots, positions)` returns, from the next step on; thread-safe.
+
+        `build` runs on the engine thread between two steps, so it may use the target model; the
+        future holds the new `ServedDrafter` (or None), or the exception that refused it, in which case
+        the drafter serving now keeps serving. Sequences already running finish with their drafter.
+        """
+        done: Future = Future()
+        self._swaps.put((build, done))
+        self._commands.put(("wake",))
+        return done
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if len(prompt_ids) >= self.config.max_len:
@@ -172,6 +228,7 @@ class LLMEngine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain(block=not self.scheduler.has_work)
+            self._apply_swaps()
             if not self.scheduler.has_work:
                 continue
             try:
@@ -219,31 +276,84 @@ class LLMEngine:
 
     def step(self) -> list[tuple[Sequence, TokenDelta]]:
         """One engine step; returns the deltas it produced."""
+        self._apply_swaps()
         self.scheduler.admit()
         chunks = self.scheduler.prefill_chunks()
         if chunks:
             results = [r for c in chunks for r in self._prefill(c)]
         else:
             seqs = self.scheduler.decoding()
-            spec = [s for s in seqs if self._speculates(s)]
             plain = [s for s in seqs if not self._speculates(s)]
-            results = (self._verify(spec) if spec else []) + (self._decode(plain) if plain else [])
+            results = [r for d in self._drafters for r in self._verify([s for s in seqs if s.drafter is d
+                                                                       and self._speculates(s)], d.proposer)]
+            results += self._decode(plain) if plain else []
         self._steps += 1
+        self._retire_idle_drafters()
         self._publish_stats()
         return results
 
     def _speculates(self, seq: Sequence) -> bool:
-        return self.proposer is not None and self.config.speculate and seq.params.speculate
+        return seq.drafter is not None and self.config.speculate and seq.params.speculate
 
-    def _taps(self) -> tuple[int, ...]:
-        return self.proposer.tap_layers if self.proposer else ()
+    # ----- drafters ---------------------------------------------------------------------------
+
+    def _allocated(self, proposer: Proposer) -> Proposer:
+        self._check_block_size(proposer)
+        proposer.allocate(self.config.num_slots, self.config.max_len + self.config.max_block_size)
+        return proposer
+
+    def _serve(self, drafter: ServedDrafter | None) -> None:
+        self.drafter = drafter
+        if drafter is not None:
+            self._drafters.append(drafter)
+
+    def _apply_swaps(self) -> None:
+        while True:
+            try:
+                build, done = self._swaps.get_nowait()
+            except queue.Empty:
+                return
+            if not done.set_running_or_notify_cancel():
+                continue
+            started = time.perf_counter()
+            try:
+                drafter = build(self.config.num_slots, self.config.max_len + self.config.max_block_size)
+                if drafter is not None:
+                    self._check_block_size(drafter.proposer)
+            except Exception as exc:  # the build's own refusal: the drafter serving now keeps serving
+                done.set_exception(exc)
+                continue
+            old = self.drafter_version
+            self._serve(drafter)
+            self._swap_count += 1
+            self._swap_pause_s = time.perf_counter() - started
+            self._retire_idle_drafters()
+            self._publish_stats()
+            log.info("drafter %s -> %s for new sequences (%.1f ms on the engine thread; %d drafters serving)",
+                     old, self.drafter_version, self._swap_pause_s * 1e3, len(self._drafters))
+            done.set_result(drafter)
+
+    def _check_block_size(self, proposer: Proposer) -> None:
+        if proposer.block_size > self.config.max_block_size:
+            raise ValueError(f"block_size {proposer.block_size} exceeds the engine's max_block_size "
+                             f"{self.config.max_block_size}")
+
+    def _retire_idle_drafters(self) -> None:
+        """Drop drafters that are not current and serve no running sequence (their memory goes too)."""
+        live = {id(s.drafter) for s in self.scheduler.running}
+        self._drafters = [d for d in self._drafters if d is self.drafter or id(d) in live]
+
+    def _taps(self, seq: Sequence) -> tuple[int, ...]:
+        return seq.drafter.proposer.tap_layers if seq.drafter else ()
 
     def _prefill(self, chunk: PrefillChunk) -> list[tuple[Sequence, TokenDelta]]:
         seq = chunk.seq
-        logits, taps = self.runner.prefill(seq, chunk.start, chunk.end, self._taps())
-        if self.proposer:
+        if chunk.start == 0:
+            seq.drafter = self.drafter  # kept for the sequence's life: only it observes this context
+        logits, taps = self.runner.prefill(seq, chunk.start, chunk.end, self._taps(seq))
+        if seq.drafter:
             tokens = torch.tensor([seq.prompt_ids[chunk.start:chunk.end]], device=self.model.device)
-            self.proposer.observe([seq.slot], [chunk.start], taps, tokens)
+            seq.drafter.proposer.observe([seq.slot], [chunk.start], taps, tokens)
         seq.num_cached = chunk.end
         if not chunk.is_last:
             return []
@@ -260,16 +370,17 @@ class LLMEngine:
             results.append(self._commit(seq, [token]))
         return results
 
-    def _verify(self, seqs: list[Sequence]) -> list[tuple[Sequence, TokenDelta]]:
-        assert self.proposer is not None
-        k = self.proposer.block_size - 1
+    def _verify(self, seqs: list[Sequence], proposer: Proposer) -> list[tuple[Sequence, TokenDelta]]:
+        if not seqs:
+            return []
+        k = proposer.block_size - 1
         slots, starts = [s.slot for s in seqs], [s.num_cached for s in seqs]
         last = torch.tensor([s.last_token for s in seqs], dtype=torch.long, device=self.model.device)  # [B]
-        drafts = self.proposer.propose(slots, starts, last, [s.tokens for s in seqs]).to(last.device)  # [B, k]
+        drafts = proposer.propose(slots, starts, last, [s.tokens for s in seqs]).to(last.device)  # [B, k]
         assert drafts.shape == (len(seqs), k)
         block = torch.cat([last.unsqueeze(1), drafts], dim=1)  # [B, k+1]
-        logits, taps = self.runner.run_block(seqs, block, self.proposer.tap_layers)
-        self.proposer.observe(slots, starts, taps, block)
+        logits, taps = self.runner.run_block(seqs, block, proposer.tap_layers)
+        proposer.observe(slots, starts, taps, block)
         target = self.sampler.sample(logits, [s.seq_id for s in seqs], [s.params for s in seqs])  # [B, k+1]
         allowed = torch.tensor([min(k, self._room(s) - 1) for s in seqs], device=target.device)
         accepted = accept_lengths(drafts, target, allowed)
@@ -299,21 +410,26 @@ class LLMEngine:
                 break
         if reason:
             self._finish(seq, reason)
-        return seq, TokenDelta(new, reason, len(seq.prompt_ids), len(seq.output_ids), seq.spec)
+        return seq, self._delta(seq, new, reason)
+
+    @staticmethod
+    def _delta(seq: Sequence, tokens: list[int], reason: str | None) -> TokenDelta:
+        return TokenDelta(tokens, reason, len(seq.prompt_ids), len(seq.output_ids), seq.spec,
+                          seq.drafter.version if seq.drafter else None)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         was_running = seq.status is Status.RUNNING
         self.scheduler.finish(seq)
         self.sampler.release(seq.seq_id)
-        if was_running and self.proposer:
-            self.proposer.release(seq.slot)
+        if was_running and seq.drafter:
+            seq.drafter.proposer.release(seq.slot)
 
     def _fail_all(self) -> list[tuple[Sequence, TokenDelta]]:
         failed = list(self.scheduler.running) + list(self.scheduler.waiting)
         for seq in failed:
             self._finish(seq, "error")
-        return [(s, TokenDelta([], "error", len(s.prompt_ids), len(s.output_ids), s.spec)) for s in failed]
+        return [(s, self._delta(s, [], "error")) for s in failed]
 
     def _publish_stats(self) -> None:
         running = self.scheduler.running
@@ -325,4 +441,8 @@ class LLMEngine:
             kv_tokens_used=sum(s.num_cached for s in running),
             kv_tokens_total=self.config.num_slots * self.config.max_len,
             steps=self._steps,
+            drafter_version=self.drafter_version,
+            drafters_live=len(self._drafters),
+            swaps=self._swap_count,
+            last_swap_pause_s=self._swap_pause_s,
         )

@@ -9,6 +9,10 @@ import enum
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.speculation.proposer import ServedDrafter
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ class TokenDelta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     spec: SpecStats | None = None
+    drafter_version: str | None = None  # the drafter that drafted for this request, if one did
 
     @property
     def finished(self) -> bool:
@@ -115,6 +120,7 @@ class Sequence:
     num_cached: int = 0  # tokens whose K/V are in the slot; the last committed token never is
     finish_reason: str | None = None
     spec: SpecStats = field(default_factory=SpecStats)
+    drafter: "ServedDrafter | None" = None  # set at the first prefill chunk, kept for the sequence's life
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -85,26 +85,32 @@ class APIError(Exception):
 def build_app(loaded: LoadedModel, engine: LLMEngine, settings: ServerSettings,
               extra_routers: Iterable[APIRouter] = (), on_finish: FinishHook | None = None,
               tenants: TenantDirectory | None = None, metrics: ServerMetrics | None = None,
-              on_shutdown: Iterable[Callable[[], None]] = ()) -> FastAPI:
+              on_shutdown: Iterable[Callable[[], None]] = (),
+              companions: Iterable[tuple[Callable[[], None], Callable[[], None]]] = ()) -> FastAPI:
     """The app for one model. `on_finish` is called once per finished request (trace capture).
 
     `extra_routers` are mounted as they are; they reach the shared `ServingContext` (engine,
     tokenizer, metrics) through `request.app.state.serving`. `tenants` maps API keys to tenants
     (None: everyone is `anonymous`). Pass `metrics` when other parts (capture) count on its
-    registry; `on_shutdown` runs after the engine has stopped.
+    registry; `on_shutdown` runs after the engine has stopped. `companions` are (start, stop) pairs
+    of threads that need the running engine (the registry follower): started after it, stopped before.
     """
     metrics = ServerMetrics(engine.stats) if metrics is None else metrics
     tenants = TenantDirectory.load(None) if tenants is None else tenants
-    closers = tuple(on_shutdown)
+    closers, companions = tuple(on_shutdown), tuple(companions)
     ctx = ServingContext(engine=engine, tokenizer=loaded.tokenizer, metrics=metrics,
                          model=settings.served_model_name or loaded.name, fingerprint=loaded.fingerprint,
                          on_finish=on_finish)
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        for start, _ in companions:
+            start()
         try:
             yield
         finally:
+            for _, stop in companions:
+                await asyncio.to_thread(stop)
             await asyncio.to_thread(engine.stop)
             log.info("engine stopped")
             for close in closers:
@@ -236,7 +242,7 @@ def _openai_router(ctx: ServingContext) -> APIRouter:
     @router.get("/models")
     async def models() -> ModelList:
         card = ModelCard(id=ctx.model, created=created, fingerprint=ctx.fingerprint,
-                         max_model_len=ctx.engine.config.max_len)
+                         max_model_len=ctx.engine.config.max_len, drafter_version=ctx.engine.drafter_version)
         return ModelList(data=[card])
 
     @router.post("/completions", response_model=None)

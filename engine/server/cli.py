@@ -24,11 +24,13 @@ from pydantic import ValidationError
 from engine.server.settings import ServerSettings
 
 if TYPE_CHECKING:
-    from fastapi import FastAPI
+    from fastapi import APIRouter, FastAPI
 
     from consent.settings import ConsentSettings
     from engine.loaders.load import LoadedModel
     from engine.runtime.llm_engine import LLMEngine
+    from engine.server.metrics import ServerMetrics
+    from engine.speculation.follower import DrafterFollower
     from engine.speculation.proposer import Proposer
 
 log = logging.getLogger(__name__)
@@ -50,8 +52,14 @@ def serve(
     num_slots: Annotated[int | None, typer.Option(help="Concurrent sequences (KV-cache slots) (default: 8)")] = None,
     max_len: Annotated[int | None, typer.Option(help="Context length per sequence (default: 2048)")] = None,
     drafter: Annotated[Path | None, typer.Option(help="DFlash drafter artifact directory")] = None,
+    registry: Annotated[str | None, typer.Option(
+        help="MLflow tracking URI (sqlite:///... or http://...): draft with the served model's champion drafter "
+             "there, swapped live when the alias moves")] = None,
+    registry_poll_s: Annotated[float | None, typer.Option(help="Seconds between looks at the alias (default: 30)")]
+    = None,
     proposer: Annotated[str | None, typer.Option(help="auto, ngram, dflash or combined (default: auto)")] = None,
-    block_size: Annotated[int | None, typer.Option(help="Verify block length (default: the drafter's; n-gram 4)")] = None,
+    block_size: Annotated[int | None, typer.Option(
+        help="Verify block length (default: the drafter's; n-gram 4)")] = None,
     speculate: Annotated[bool | None, typer.Option("--speculate/--no-speculate",
                                                    help="Use the drafter when one is loaded (default: on)")] = None,
     kafka_bootstrap: Annotated[str | None, typer.Option(help="Kafka host:port[,...]; capture traces there")] = None,
@@ -96,8 +104,9 @@ def build_server(settings: ServerSettings) -> tuple["FastAPI", "LoadedModel"]:
 
     def load() -> tuple["LoadedModel", "LLMEngine"]:
         loaded = load_for_inference(settings.model, dtype, device)
-        engine = LLMEngine(loaded.model, settings.engine_config(), loaded.tokenizer.eos_token_ids,
-                           _proposer(settings, loaded), thread)
+        proposer, version = _proposer(settings, loaded)
+        engine = LLMEngine(loaded.model, settings.engine_config(), loaded.tokenizer.eos_token_ids, proposer, thread,
+                           drafter_version=version)
         return loaded, engine
 
     # The model, its KV cache and the loop all on one thread: see engine/runtime/torch_thread.py (98 vs 57 tok/s).
@@ -118,15 +127,47 @@ def serving_app(settings: ServerSettings, loaded: "LoadedModel", engine: "LLMEng
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="SPECLOOP_TENANTS_FILE") from e
     metrics = ServerMetrics(engine.stats)
+    routers, companions = [], []
+    if settings.registry is not None:
+        follower = _follower(settings, loaded, engine, metrics)
+        from engine.server.drafter_admin import build_drafter_admin_router
+
+        routers.append(_under_admin(build_drafter_admin_router(follower, consent.resolve().admin_token)))
+        companions.append((follower.start, follower.stop))
     if settings.kafka_bootstrap is None:
         log.info("trace capture off (no --kafka-bootstrap)")
-        return build_app(loaded, engine, settings, tenants=tenants, metrics=metrics)
+        return build_app(loaded, engine, settings, extra_routers=routers, tenants=tenants, metrics=metrics,
+                         companions=companions)
     from engine.server.trace_hook import open_capture
 
     capture = open_capture(settings, consent.resolve(), tenants, metrics.registry, loaded.tokenizer.decode)
     log.info("capturing consented traces to %s topic %s", settings.kafka_bootstrap, settings.kafka_topic)
-    return build_app(loaded, engine, settings, extra_routers=[capture.admin_router], on_finish=capture.hook,
-                     tenants=tenants, metrics=metrics, on_shutdown=[lambda: capture.close(settings.capture_flush_s)])
+    return build_app(loaded, engine, settings, extra_routers=[capture.admin_router, *routers], on_finish=capture.hook,
+                     tenants=tenants, metrics=metrics, on_shutdown=[lambda: capture.close(settings.capture_flush_s)],
+                     companions=companions)
+
+
+def _under_admin(router: "APIRouter") -> "APIRouter":
+    from fastapi import APIRouter
+
+    admin = APIRouter(prefix="/admin")
+    admin.include_router(router)
+    return admin
+
+
+def _follower(settings: ServerSettings, loaded: "LoadedModel", engine: "LLMEngine",
+              metrics: "ServerMetrics") -> "DrafterFollower":
+    """The thread that keeps the engine on the registry's champion drafter for the served model."""
+    from engine.speculation.follower import DrafterFollower, probe_text_tokens
+    from storage.registry import DrafterRegistry
+
+    kind = settings.proposer_kind()
+    assert kind in ("dflash", "combined"), kind  # settings refuse a registry with n-gram lookup alone
+    log.info("following the champion drafter of %s in %s every %.0f s", loaded.fingerprint, settings.registry,
+             settings.registry_poll_s)
+    return DrafterFollower(DrafterRegistry(settings.registry), engine, loaded.model, loaded.fingerprint, kind,
+                           probe_text_tokens(loaded.tokenizer.encode), settings.drafter_cache_dir,
+                           settings.registry_poll_s, settings.block_size, metrics.record_swap)
 
 
 def _consent_settings() -> "ConsentSettings":
@@ -139,23 +180,21 @@ def _consent_settings() -> "ConsentSettings":
         raise typer.BadParameter(problems) from e
 
 
-def _proposer(settings: ServerSettings, loaded: "LoadedModel") -> "Proposer | None":
-    """The drafter `settings.proposer` asks for; refuses a DFlash drafter trained for another model."""
-    from engine.speculation.combined import CombinedProposer
-    from engine.speculation.dflash_proposer import DFlashProposer
-    from engine.speculation.drafter_artifact import load_drafter
-    from engine.speculation.ngram import NgramProposer
+def _proposer(settings: ServerSettings, loaded: "LoadedModel") -> tuple["Proposer | None", str | None]:
+    """What drafts at start-up, and its drafter version; refuses a drafter trained for another model.
 
-    kind = settings.proposer
-    if kind == "auto":
-        kind = "dflash" if settings.drafter else None
-    if kind is None:
-        return None
-    if kind == "ngram":
-        # Block 4: on held-out evals prompts (bf16, batch 1) n-gram at block 3/4/8 ran 1.13x/1.12x/0.87x
-        # plain decoding; longer blocks draft more than gets accepted (README "Speculative decoding").
-        return NgramProposer(block_size=settings.block_size or 4)
+    Following a registry, the engine starts with n-gram lookup alone (combined) or nothing (dflash)
+    and the follower swaps the champion in once it has checked it.
+    """
+    from engine.speculation.build import build_proposer
+    from engine.speculation.drafter_artifact import load_drafter
+
+    kind = settings.proposer_kind()
+    if kind is None or (kind == "dflash" and settings.registry is not None):
+        return None, None
+    if kind == "ngram" or settings.registry is not None:
+        return build_proposer("ngram", loaded.model, block_size=settings.block_size), None
     artifact = load_drafter(settings.drafter, loaded.fingerprint, loaded.model.device, loaded.model.dtype)
-    dflash = DFlashProposer(artifact.drafter, loaded.model, settings.block_size)
-    log.info("drafter %s (block size %d, %s)", settings.drafter, dflash.block_size, kind)
-    return dflash if kind == "dflash" else CombinedProposer(dflash, NgramProposer(block_size=dflash.block_size))
+    proposer = build_proposer(kind, loaded.model, artifact.drafter, settings.block_size)
+    log.info("drafter %s (block size %d, %s)", settings.drafter, proposer.block_size, kind)
+    return proposer, settings.drafter.name

@@ -24,6 +24,10 @@ _REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+def _version_label(version: str | None) -> str:
+    return version or "none"
+
+
 class _EngineLoadCollector(Collector):
     """Gauges read from the engine when Prometheus scrapes."""
 
@@ -41,6 +45,15 @@ class _EngineLoadCollector(Collector):
         usage = s.kv_tokens_used / s.kv_tokens_total if s.kv_tokens_total else 0.0
         yield GaugeMetricFamily("specloop_kv_cache_usage_ratio", "Fraction of KV-cache tokens in use.", usage)
         yield CounterMetricFamily("specloop_engine_steps", "Engine forward steps run.", s.steps)
+        yield GaugeMetricFamily("specloop_drafters_live", "Drafters serving sequences (2 for a while after a swap).",
+                                s.drafters_live)
+        yield GaugeMetricFamily("specloop_drafter_swap_pause_seconds",
+                                "Engine-thread time of the last drafter swap, build and probe included.",
+                                s.last_swap_pause_s)
+        serving = GaugeMetricFamily("specloop_drafter_serving", "1 for the drafter version new requests get.",
+                                    labels=["drafter_version"])
+        serving.add_metric([_version_label(s.drafter_version)], 1)
+        yield serving
 
 
 class ServerMetrics:
@@ -59,15 +72,19 @@ class ServerMetrics:
                              buckets=_TOKEN_BUCKETS, registry=r)
         self.prompt_tokens = Counter("specloop_prompt_tokens", "Prompt tokens prefilled.", registry=r)
         self.generation_tokens = Counter("specloop_generation_tokens", "Tokens generated.", registry=r)
+        # Speculation counters by the drafter version that drafted, so live τ of a new champion and of
+        # the one before it can be compared after a swap ("none": n-gram lookup, no learned drafter).
         self.spec_drafts = Counter("specloop_spec_decode_num_drafts", "Verify steps that carried drafts.",
-                                   registry=r)
+                                   ["drafter_version"], registry=r)
         self.spec_draft_tokens = Counter("specloop_spec_decode_num_draft_tokens", "Draft tokens proposed.",
-                                         registry=r)
+                                         ["drafter_version"], registry=r)
         self.spec_accepted = Counter("specloop_spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                                     registry=r)
+                                     ["drafter_version"], registry=r)
         self.spec_accepted_per_pos = Counter("specloop_spec_decode_num_accepted_tokens_per_pos",
-                                             "Draft tokens accepted at each draft position.", ["position"],
-                                             registry=r)
+                                             "Draft tokens accepted at each draft position.",
+                                             ["drafter_version", "position"], registry=r)
+        self.drafter_swaps = Counter("specloop_drafter_swaps", "Drafter swaps tried, by result and refusal reason.",
+                                     ["result", "reason"], registry=r)
         self.hook_errors = Counter("specloop_finish_hook_errors", "Finished-request hook calls that raised.",
                                    registry=r)
         r.register(_EngineLoadCollector(engine_stats))
@@ -84,17 +101,22 @@ class ServerMetrics:
             self.itl.observe(gap_seconds / num_tokens)
 
     def record_finished(self, endpoint: str, seconds: float, prompt_tokens: int, completion_tokens: int,
-                        spec: SpecStats | None) -> None:
+                        spec: SpecStats | None, drafter_version: str | None = None) -> None:
         self.e2e.labels(endpoint=endpoint).observe(seconds)
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
-        if spec is None:
+        if spec is None or not spec.drafts:
             return
-        self.spec_drafts.inc(spec.drafts)
-        self.spec_draft_tokens.inc(spec.draft_tokens)
-        self.spec_accepted.inc(spec.accepted_tokens)
+        version = _version_label(drafter_version)
+        self.spec_drafts.labels(version).inc(spec.drafts)
+        self.spec_draft_tokens.labels(version).inc(spec.draft_tokens)
+        self.spec_accepted.labels(version).inc(spec.accepted_tokens)
         for pos, accepted in enumerate(spec.accepted_per_position):
-            self.spec_accepted_per_pos.labels(position=str(pos)).inc(accepted)
+            self.spec_accepted_per_pos.labels(drafter_version=version, position=str(pos)).inc(accepted)
+
+    def record_swap(self, result: str, reason: str | None) -> None:
+        """One drafter swap tried: `ok`, or `refused` with its reason (engine/speculation/follower.py)."""
+        self.drafter_swaps.labels(result=result, reason=reason or "").inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

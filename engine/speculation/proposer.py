@@ -1,4 +1,5 @@
-"""What the engine asks of a drafter: the `Proposer` interface, and its stateless base.
+"""What the engine asks of a drafter: the `Proposer` interface, its stateless base, and
+`ServedDrafter`, a proposer with the drafter version it serves.
 
 The engine owns the target pass, the verify rule and rollback (`engine/speculation/verify.py`); a proposer only
 watches what the target computed (`observe`) and guesses what comes next (`propose`). Proposers
@@ -11,6 +12,7 @@ lookup in `engine/speculation/ngram.py`, the two together in `engine/speculation
 """
 
 import abc
+from dataclasses import dataclass
 
 import torch
 
@@ -61,3 +63,16 @@ class StatelessProposer(Proposer):
 
     def observe(self, slots: list[int], starts: list[int], taps: list[torch.Tensor], token_ids: torch.Tensor) -> None:
         pass
+
+
+@dataclass(frozen=True, eq=False)
+class ServedDrafter:
+    """A proposer as the engine serves it. `version` names the drafter it drafts with (a registry
+    version such as `v3`, or an artifact directory's name) in metrics, traces and `/v1/models`;
+    None for a proposer without a learned drafter (n-gram lookup).
+
+    Compared by identity: each swap serves a new one, even of the same version.
+    """
+
+    proposer: Proposer
+    version: str | None = None

@@ -53,6 +53,10 @@ def test_up_serves_captures_and_stops_everything(tiny_llama_dir: Path, tmp_path:
                 "user": "alice"}
         r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {ACME_KEY}"})
         assert r.status_code == 200, r.text
+        # The embedded registry was seeded with the shipped drafter, which is SmolLM2's: the tiny model
+        # served here has no champion, so it drafts with n-gram lookup alone.
+        assert "registry seeded: shipped drafter" in log.read_text()
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["drafter_version"] is None
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0, log.read_text()
     finally:

@@ -1,0 +1,258 @@
+"""Following the registry: the engine drafts with its base model's `champion` drafter, swapped live.
+
+A thread asks the registry (`storage/registry.py`) for the alias every `poll_s` seconds, and at once
+when `check()` is called (the admin endpoint). A version it has not served or refused is
+downloaded, then checked in stages, each with the reason a refusal is counted under:
+
+| stage | refused as | what is checked |
+| --- | --- | --- |
+| download | `download` | the version's artifact exists and has both files |
+| `drafter.json` | `fingerprint` | the drafter was trained for the served base model |
+| `drafter.json` | `config` | it fits this target (widths, vocabulary, depth, taps) and the engine's longest block |
+| weights | `weights` | the safetensors load into that architecture, every value finite |
+| propose | `propose` | on the engine thread: one propose on a real context gives finite draft logits |
+
+The new proposer is built here, beside the serving one; the last stage runs inside the swap
+(`LLMEngine.swap`), on the engine thread between two steps: allocate its per-slot state, probe it,
+serve new sequences with it from the next step. Running sequences finish with the drafter they
+started with. The probe's context goes through the target once, at the first swap, and its hidden
+states are kept (a few kB), so later swaps hold the engine thread for the drafter's work only
+(22.5 ms, a tenth of an engine step, in benchmarks/drafter_swap.py). A refused version is logged
+once, counted, and not tried again until the alias moves; the drafter serving keeps serving. When the
+registry cannot be reached, serving goes on and the thread retries with backoff (1 s, doubling to
+60 s), logging the outage once and the recovery once.
+
+Not here: the registry's names and tags (`storage/registry.py`), the engine's swap mechanics
+(`engine/runtime/llm_engine.py`), HTTP (`engine/server/`).
+"""
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from engine.model.transformer import Transformer
+from engine.runtime.llm_engine import LLMEngine
+from engine.speculation.build import ProposerKind, build_proposer, dflash_of
+from engine.speculation.dflash import DFlashConfig, DFlashDrafter
+from engine.speculation.drafter_artifact import WEIGHTS, read_meta
+from engine.speculation.proposer import Proposer, ServedDrafter
+from storage.registry import DrafterRegistry, DrafterVersion, RegistryUnavailable
+
+log = logging.getLogger(__name__)
+
+REASONS = ("download", "fingerprint", "config", "weights", "propose")
+_BACKOFF_S = (1.0, 60.0)  # first retry, longest wait while the registry is unreachable
+_SWAP_TIMEOUT_S = 120.0  # the engine applies a swap between steps; a step takes milliseconds
+
+
+class DrafterRefused(ValueError):
+    """A drafter version that must not serve, with the reason it is counted under."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        assert reason in REASONS, reason
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """What one look at the alias did: `swapped`, `unchanged`, `refused`, `no_champion` or `unavailable`."""
+
+    result: str
+    serving: str | None  # the version new sequences draft with after this check
+    champion: str | None = None  # the alias's version, when the registry answered
+    reason: str | None = None  # why it was refused
+    detail: str | None = None
+
+
+# Called once per swap attempt with ("ok", None) or ("refused", reason).
+SwapRecorder = Callable[[str, str | None], None]
+
+
+def check_artifact(path: Path, fingerprint: str, target: Transformer, max_block_size: int) -> DFlashDrafter:
+    """The drafter in artifact `path`, on the target's device and dtype, or `DrafterRefused` saying why not."""
+    try:
+        meta = read_meta(path)
+        config = DFlashConfig.from_json(meta["config"])
+        trained_for = meta["base_model_fingerprint"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise DrafterRefused("config", f"drafter {path}: unreadable drafter.json ({e})") from e
+    if trained_for != fingerprint:
+        raise DrafterRefused("fingerprint", f"drafter {path} was trained for base model {trained_for}, "
+                                            f"the served model is {fingerprint}")
+    try:
+        config.check_target(target.config)
+    except ValueError as e:
+        raise DrafterRefused("config", f"drafter {path} does not fit the target: {e}") from e
+    if config.block_size > max_block_size:
+        raise DrafterRefused("config", f"drafter {path}: block size {config.block_size} exceeds the engine's "
+                                       f"max_block_size {max_block_size}")
+    drafter = DFlashDrafter(config)
+    try:
+        drafter.load_state_dict(load_file(Path(path) / WEIGHTS), strict=True)
+    except Exception as e:  # safetensors' own error types, shape mismatches, missing or extra tensors
+        raise DrafterRefused("weights", f"drafter {path}: weights do not load: {e}") from e
+    if not all(torch.isfinite(p).all() for p in drafter.parameters()):
+        raise DrafterRefused("weights", f"drafter {path}: weights hold NaN or infinite values")
+    return drafter.to(device=target.device, dtype=target.dtype).eval().requires_grad_(False)
+
+
+class ProbeContext:
+    """A real context for `probe`: token ids and, once computed, the target's output at every layer."""
+
+    def __init__(self, target: Transformer, tokens: list[int]) -> None:
+        assert len(tokens) >= 2
+        self.target = target
+        self.ids = torch.tensor([tokens], device=target.device)  # [1, n]
+        self._layers: list[torch.Tensor] | None = None  # [1, n, H] per target layer
+
+    def taps(self, layers: tuple[int, ...]) -> list[torch.Tensor]:
+        """The target's outputs at `layers`; the first call runs the target (cache-less: the engine's
+        KV cache is not touched), so call it on the engine thread."""
+        if self._layers is None:
+            with torch.no_grad():
+                _, self._layers = self.target(self.ids, taps=range(self.target.config.num_layers))
+        return [self._layers[i] for i in layers]
+
+
+def probe(drafter: ServedDrafter, context: ProbeContext) -> None:
+    """One propose on a real context: finite draft logits, or refused.
+
+    It writes slot 0 of the new proposer, which serves nothing yet; the slot's next owner overwrites it.
+    """
+    dflash = dflash_of(drafter.proposer)
+    assert dflash is not None
+    with torch.no_grad():
+        dflash.observe([0], [0], context.taps(dflash.tap_layers), context.ids)
+        logits = dflash.block_logits([0], [context.ids.shape[1]], context.ids[0, -1:])
+    if not torch.isfinite(logits).all():
+        raise DrafterRefused("propose", f"drafter {drafter.version}: a propose gave non-finite draft logits")
+
+
+class DrafterFollower:
+    """Keeps `engine` drafting with the `champion` of `fingerprint` in `registry`. Thread-safe."""
+
+    def __init__(self, registry: DrafterRegistry, engine: LLMEngine, target: Transformer, fingerprint: str,
+                 kind: ProposerKind, probe_tokens: list[int], cache_dir: Path, poll_s: float = 30.0,
+                 block_size: int | None = None, record_swap: SwapRecorder | None = None) -> None:
+        if poll_s <= 0:
+            raise ValueError(f"registry poll interval must be > 0 s, got {poll_s}")
+        if kind == "ngram":
+            raise ValueError("following a drafter registry needs proposer dflash or combined, not ngram")
+        self.registry, self.engine, self.target, self.fingerprint = registry, engine, target, fingerprint
+        self.kind, self.block_size = kind, block_size
+        self.probe_context = ProbeContext(target, probe_tokens)
+        self.cache_dir, self.poll_s = cache_dir, poll_s
+        self.record_swap = record_swap or (lambda result, reason: None)
+        self._refused: str | None = None  # the version refused last; tried again only once the alias moves
+        self._lock = threading.Lock()  # one check at a time: the poll thread's or the admin endpoint's
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._outage = 0  # consecutive failed lookups
+
+    def start(self) -> None:
+        assert self._thread is None, "follower already started"
+        self._thread = threading.Thread(target=self._run, name="drafter-follower", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=_SWAP_TIMEOUT_S)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            result = self.check()
+            wait = self.poll_s if result.result != "unavailable" else self._backoff_s()
+            self._wake.wait(wait)
+            self._wake.clear()
+
+    def _backoff_s(self) -> float:
+        first, longest = _BACKOFF_S
+        return min(longest, first * 2 ** (self._outage - 1))
+
+    def check(self) -> CheckResult:
+        """Look at the alias now and swap to a new champion that passes every check."""
+        with self._lock:
+            try:
+                champion = self.registry.champion(self.fingerprint)
+            except RegistryUnavailable as e:
+                return self._unavailable(e)
+            self._recovered()
+            serving = self.engine.drafter_version
+            if champion is None:
+                return CheckResult("no_champion", serving)
+            if champion.label == serving:
+                return CheckResult("unchanged", serving, champion.label)
+            if champion.label == self._refused:
+                return CheckResult("refused", serving, champion.label, detail="refused before; waiting for the "
+                                                                                 "alias to move")
+            return self._swap_to(champion)
+
+    def _swap_to(self, champion: DrafterVersion) -> CheckResult:
+        try:
+            path = self.registry.download(champion, self.cache_dir)
+        except RegistryUnavailable as e:
+            return self._unavailable(e)
+        except (ValueError, OSError) as e:
+            return self._refuse(champion, DrafterRefused("download", f"drafter {champion.label}: {e}"))
+        try:
+            drafter = check_artifact(path, self.fingerprint, self.target, self.engine.config.max_block_size)
+            proposer = self._proposer(drafter, champion.label)
+            served = self.engine.swap(self._build(proposer, champion.label)).result(timeout=_SWAP_TIMEOUT_S)
+        except DrafterRefused as e:
+            return self._refuse(champion, e)
+        except (TimeoutError, RuntimeError) as e:  # the engine stopped, or did not step: try at the next look
+            return CheckResult("unchanged", self.engine.drafter_version, champion.label, detail=str(e))
+        self.record_swap("ok", None)
+        log.info("drafter %s of %s serving new sequences (%s)", champion.label, self.fingerprint, self.kind)
+        return CheckResult("swapped", served.version if served else None, champion.label)
+
+    def _proposer(self, drafter: DFlashDrafter, version: str) -> Proposer:
+        """Built on this thread, beside the serving proposer (weight packing for the CPU kernels
+        included), so the swap itself holds the engine thread only for allocation and the probe."""
+        try:
+            return build_proposer(self.kind, self.target, drafter, self.block_size)
+        except ValueError as e:
+            raise DrafterRefused("config", f"drafter {version}: {e}") from e
+
+    def _build(self, proposer: Proposer, version: str) -> Callable[[int, int], ServedDrafter]:
+        def build(num_slots: int, positions: int) -> ServedDrafter:
+            proposer.allocate(num_slots, positions)
+            served = ServedDrafter(proposer, version)
+            probe(served, self.probe_context)
+            return served
+        return build
+
+    def _refuse(self, champion: DrafterVersion, refusal: DrafterRefused) -> CheckResult:
+        self._refused = champion.label
+        self.record_swap("refused", refusal.reason)
+        log.error("drafter %s refused (%s): %s; %s keeps serving", champion.label, refusal.reason, refusal,
+                  self.engine.drafter_version or "no drafter")
+        return CheckResult("refused", self.engine.drafter_version, champion.label, refusal.reason, str(refusal))
+
+    def _unavailable(self, error: Exception) -> CheckResult:
+        self._outage += 1
+        if self._outage == 1:
+            log.warning("drafter registry unreachable (%s); serving goes on with %s, retrying with backoff",
+                        error, self.engine.drafter_version or "no drafter")
+        return CheckResult("unavailable", self.engine.drafter_version, detail=str(error))
+
+    def _recovered(self) -> None:
+        if self._outage:
+            log.info("drafter registry reachable again after %d failed lookups", self._outage)
+        self._outage = 0
+
+
+def probe_text_tokens(encode: Callable[[str], list[int]]) -> list[int]:
+    """A fixed, real context for `probe`: a sentence through the served tokenizer."""
+    tokens = encode("Speculative decoding drafts several tokens, and the target model checks them in one pass.")
+    assert len(tokens) >= 2
+    return tokens

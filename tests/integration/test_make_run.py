@@ -1,0 +1,47 @@
+"""`specloop up` as `make run` starts it, on its defaults: the real SmolLM2 in bf16, drafting with the
+shipped DFlash drafter (combined with n-gram lookup) that seeded the embedded registry as v1."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from benchmarks.server_process import wait_ready
+from storage.broker import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def test_up_drafts_with_the_shipped_drafter_from_its_first_start(tmp_path: Path) -> None:
+    env = {**os.environ, "SPECLOOP_DATA_DIR": str(tmp_path / "data"), "SPECLOOP_NUM_SLOTS": "2",
+           "SPECLOOP_MAX_LEN": "512"}
+    port, log = free_port(), tmp_path / "up.log"
+    with open(log, "wb") as out:
+        up = subprocess.Popen([str(Path(sys.executable).parent / "specloop"), "up", "--port", str(port)], env=env,
+                              stdout=out, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, up, log, 240)
+        deadline = time.monotonic() + 60
+        while (card := httpx.get(f"{url}/v1/models").json()["data"][0])["drafter_version"] != "v1":
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        body = {"model": card["id"], "messages": [{"role": "user", "content": "Write a Python function that adds "
+                                                                               "two numbers."}],
+                "max_tokens": 48, "temperature": 0}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["speculation"]["drafts"] > 0
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'specloop_spec_decode_num_drafts_total{drafter_version="v1"}' in metrics
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=90) == 0, log.read_text()[-3000:]
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
