@@ -308,11 +308,8 @@ class LLMEngine:
             self._drafters.append(drafter)
 
     def _apply_swaps(self) -> None:
-        while True:
-            try:
-                build, done = self._swaps.get_nowait()
-            except queue.Empty:
-                return
+        while not self._swaps.empty():  # checked every step: no exception raised on the common path
+            build, done = self._swaps.get_nowait()  # only the loop takes from it (stop(), once it has ended)
             if not done.set_running_or_notify_cancel():
                 continue
             started = time.perf_counter()
