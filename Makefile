@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/specloop up
+	$(BIN)/specloop up --demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra

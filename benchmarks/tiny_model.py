@@ -64,6 +64,8 @@ def _hf_config(kind: str) -> "PretrainedConfig":
     if kind == "qwen3":
         # head_dim differs from hidden_size / heads (64 / 4 = 16) on purpose.
         return Qwen3Config(**_TINY_COMMON, head_dim=32, tie_word_embeddings=False)
+    if kind == "llama-deep":  # deep enough for a DFlash drafter to tap 3 of its layers (it needs 4)
+        return LlamaConfig(**{**_TINY_COMMON, "num_hidden_layers": 6}, tie_word_embeddings=False)
     rope = _ROPE.get(kind.removeprefix("llama-rope-"))
     extra = {"rope_parameters": {"rope_theta": 10000.0, **rope}} if rope else {}
     return LlamaConfig(**_TINY_COMMON, tie_word_embeddings=False, **extra)

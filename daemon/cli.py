@@ -16,6 +16,8 @@ import typer
 
 from consent import cli as consent_cli
 from daemon import stack
+from daemon.retrain import cli as retrain_cli
+from daemon.traffic import replay
 from daemon.training import build_dataset, generate
 from daemon.training import cli as training_cli
 from engine.server import cli as engine_cli
@@ -38,7 +40,7 @@ def _erase_traces(root: Path, tenant: str, subject: str) -> "ErasureResult":
     return erase_subject(root, tenant, subject)
 
 
-for module in (engine_cli, generate, training_cli, build_dataset, storage_cli, stack):
+for module in (engine_cli, generate, training_cli, build_dataset, storage_cli, stack, retrain_cli, replay):
     module.register(app)
 consent_cli.register(app, _erase_traces)
 
@@ -49,15 +51,18 @@ def _root(log_level: Annotated[LogLevel, typer.Option(envvar="SPECLOOP_LOG_LEVEL
     configure_logging(log_level)
 
 
-def configure_logging(level: LogLevel) -> None:
-    """One format on stderr for every command; kafka-python's connection chatter only when asked for.
+# Libraries that log routine work at INFO: kafka-python a dozen lines per producer (re)connect, httpx
+# every request (the demo's traffic and the daemon's scrapes), APScheduler every job it runs (the
+# daemon's watch, every 15 s). They stay at WARNING unless the level is `debug`.
+_CHATTY = ("kafka", "httpx", "apscheduler")
 
-    kafka-python logs every connection at INFO, a dozen lines per producer (re)connect, so its
-    loggers stay at WARNING unless the level is `debug`.
-    """
+
+def configure_logging(level: LogLevel) -> None:
+    """One format on stderr for every command; chatty libraries only when asked for."""
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("kafka").setLevel(logging.DEBUG if level == "debug" else max(logging.WARNING,
-                                                                                    logging.getLogger().level))
+    for name in _CHATTY:
+        logging.getLogger(name).setLevel(logging.DEBUG if level == "debug" else max(logging.WARNING,
+                                                                                     logging.getLogger().level))
 
 
 def main() -> None:

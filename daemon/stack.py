@@ -21,6 +21,8 @@ Kafka cluster instead.
 """
 
 import logging
+import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -29,12 +31,17 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import IO, Annotated
+from typing import IO, TYPE_CHECKING, Annotated
 
 import typer
 
 from consent.settings import SECRETS_FILE
+from storage.broker import free_port
 from storage.child_process import die_with_parent
+
+if TYPE_CHECKING:
+    from consent.settings import ConsentConfig
+    from engine.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +54,20 @@ _SINK_READY_S = 60  # joining the group took 3.5 s against tansu here
 # a 0.5 s poll, so this leaves it time to read them before SIGTERM makes it write what it holds.
 _SINK_CATCH_UP_S = 2.0
 _SINK_STOP_S = 60
+# A run in training stops within about 10 steps of SIGTERM (daemon/retrain/challenger.py).
+_DAEMON_STOP_S = 90
+POLICIES = Path(__file__).resolve().parents[1] / "deploy" / "policies"
+DEMO_TENANT = "demo"
+_DEMO_CONCURRENCY = 4
+_DEMO_WAIT_S = 600  # the replay starts with the server, which loads the model first
+_DEMO_TENANTS = """# Written by `specloop up --demo`: the demo tenant captures consented traffic; anyone else is anonymous.
+allow_anonymous: true
+tenants:
+  - name: demo
+    api_keys: ["{key}"]
+    capture_allowed: true
+    policy_version: "demo-1"
+"""
 
 
 class _Stopped(Exception):
@@ -63,32 +84,115 @@ def up(
     port: Annotated[int | None, typer.Option(help="HTTP port (default: 8000)")] = None,
     durable: Annotated[bool, typer.Option(help="Broker on S3 storage (local moto) instead of memory")] = False,
     broker_port: Annotated[int, typer.Option(help="Broker port; 0 picks a free one")] = 0,
+    retrain: Annotated[bool, typer.Option(help="Also run the retraining daemon and the MLflow UI")] = True,
+    demo: Annotated[bool, typer.Option(help="Send consented HumanEval traffic and retrain on it (demo policy)")]
+    = False,
+    mlflow_port: Annotated[int, typer.Option(help="MLflow UI port; 0 picks a free one")] = 5000,
+    daemon_port: Annotated[int, typer.Option(help="The daemon's /health and /metrics port; 0 picks one")] = 8100,
 ) -> None:
-    """Run broker, sink and server with trace capture on this machine until SIGINT/SIGTERM."""
+    """Run broker, sink, server with trace capture, and the retraining daemon, until SIGINT/SIGTERM."""
     from consent.settings import ConsentSettings
     from engine.server.cli import load_settings, run_server
-    from storage.broker import free_port
 
     broker_port = broker_port or free_port()
     options = {k: v for k, v in {"model": model, "host": host, "port": port}.items() if v is not None}
     settings = load_settings({**options, "kafka_bootstrap": f"127.0.0.1:{broker_port}"})
     consent_settings = ConsentSettings()
+    data = consent_settings.data_dir
+    demo_key = _demo_tenant(data) if demo else None  # before the server reads SPECLOOP_TENANTS_FILE
+    if demo:  # a line per request would bury the daemon's progress; /metrics counts requests
+        logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
     consent = consent_settings.resolve()
     if settings.drafter is None and settings.registry is None:
         settings = load_settings({**options, "kafka_bootstrap": settings.kafka_bootstrap,
-                                  "registry": _embedded_registry(consent_settings.data_dir)})
+                                  "registry": _embedded_registry(data)})
     _handle_stop_signals(_raise_stopped)
     with ExitStack() as stack:
         try:
-            _start_broker(stack, durable, broker_port, settings.kafka_topic, consent_settings.data_dir / "logs")
+            _start_broker(stack, durable, broker_port, settings.kafka_topic, data / "logs")
             _start_sink(stack, settings.kafka_bootstrap, settings.kafka_topic, consent.traces_root)
             log.info("consent admin API under /admin; its token is in %s (or SPECLOOP_ADMIN_TOKEN)",
-                     consent_settings.data_dir / SECRETS_FILE)
+                     data / SECRETS_FILE)
+            engine_url = f"http://{settings.host}:{settings.port}"
+            daemon_port = daemon_port or free_port()
+            if retrain and settings.registry is not None:
+                _start_mlflow_ui(stack, settings.registry, mlflow_port or free_port(), data / "logs")
+                _start_daemon(stack, settings, consent, engine_url, demo, daemon_port, data)
+            if demo_key is not None:
+                daemon_url = f"http://127.0.0.1:{daemon_port}" if retrain else None
+                _start_demo_traffic(stack, engine_url, demo_key, consent.admin_token, data / "demo", daemon_url)
             run_server(settings)
         except _Stopped as stopped:
             log.info("%s: stopping server, sink and broker in order", stopped)
         finally:
             _handle_stop_signals(_already_stopping)
+
+
+def _demo_tenant(data_dir: Path) -> str:
+    """A tenants file with the demo tenant (capture allowed) and anonymous access for everyone else,
+    made the server's tenants file; the demo tenant's fresh API key."""
+    key = secrets.token_urlsafe(24)
+    path = data_dir / "demo" / "tenants.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(_DEMO_TENANTS.format(key=key))
+    os.environ["SPECLOOP_TENANTS_FILE"] = str(path)
+    log.info("demo: tenant %r captures consented traffic (tenants file %s)", DEMO_TENANT, path)
+    return key
+
+
+def _start_mlflow_ui(stack: ExitStack, registry: str, port: int, logs: Path) -> None:
+    """MLflow's server over the registry's database, for its UI: versions, tags, aliases, runs."""
+    command = [str(Path(sys.executable).with_name("mlflow")), "server", "--backend-store-uri", registry,
+               "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    _child(stack, "MLflow UI", command, _log_file(stack, logs / "mlflow.log"))
+    log.info("MLflow UI on http://127.0.0.1:%d (logs in %s)", port, logs / "mlflow.log")
+
+
+def _start_daemon(stack: ExitStack, settings: "ServerSettings", consent: "ConsentConfig", engine_url: str,
+                  demo: bool, port: int, data_dir: Path) -> None:
+    policy = POLICIES / ("demo.yaml" if demo else "default.yaml")
+    command = [sys.executable, "-m", "daemon.cli", "daemon", "--policy", str(policy), "--registry", settings.registry,
+               "--traces-root", str(consent.traces_root), "--consent-db", str(consent.registry_path),
+               "--state-db", f"sqlite:///{(data_dir / 'daemon' / 'state.db').resolve()}",
+               "--work-dir", str(data_dir / "daemon" / "runs"), "--engine", engine_url, "--port", str(port),
+               "--plot", str(data_dir / "daemon" / "live_tau.png")]
+    if settings.model is not None:
+        command += ["--model", settings.model]
+    _child(stack, "retraining daemon", command, None, stop_s=_DAEMON_STOP_S)
+    log.info("retraining daemon (policy %s) on http://127.0.0.1:%d; `specloop status` shows its runs", policy, port)
+
+
+def _start_demo_traffic(stack: ExitStack, engine_url: str, key: str, admin_token: str, out: Path,
+                        daemon_url: str | None) -> None:
+    """`specloop replay` of HumanEval prompts, over and over, as consented users of the demo tenant;
+    paused while the daemon trains, which on 2 cores would otherwise run at half speed."""
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "daemon.cli", "replay", "--url", engine_url, "--source", "humaneval",
+               "--api-key", key, "--tenant", DEMO_TENANT, "--users", "8", "--concurrency", str(_DEMO_CONCURRENCY),
+               "--max-tokens", "192", "--repeat", "--record", str(out / "traffic.jsonl"),
+               "--dead-after-s", str(_DEMO_WAIT_S)] + ([] if daemon_url is None else
+                                                      ["--pause-while-training", daemon_url])
+    _child(stack, "demo traffic", command, None, env={**os.environ, "SPECLOOP_ADMIN_TOKEN": admin_token})
+
+
+def _child(stack: ExitStack, name: str, command: list[str], output: IO[bytes] | None, stop_s: float = 30.0,
+           env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A child in its own session (Ctrl-C reaches only us), stopped with SIGTERM when the stack unwinds."""
+    child = subprocess.Popen(command, stdout=output, stderr=output, env=env, start_new_session=True,
+                             preexec_fn=die_with_parent())
+    stack.callback(_stop_child, name, child, stop_s)
+    log.info("%s: pid %d", name, child.pid)
+    return child
+
+
+def _stop_child(name: str, child: subprocess.Popen, stop_s: float) -> None:
+    child.terminate()
+    try:
+        child.wait(stop_s)
+    except subprocess.TimeoutExpired:
+        log.error("%s did not stop within %.0f s; killing it", name, stop_s)
+        child.kill()
+        child.wait()
 
 
 def _embedded_registry(data_dir: Path) -> str:

@@ -5,8 +5,8 @@ trace_id (the copy that finished first), an inner join against a consent snapsho
 only when its consent record, matched on consent_id, tenant and subject, was granted by the time
 the trace was created and is neither revoked nor expired at `as_of`), then the newest `limit`
 traces. The split is by `md5(trace_id)`, so a trace stays on the same side across builds and
-DuckDB versions. Outputs carry `trace_id`, `created_at`, `prompt_token_ids`, `response_token_ids`
-sorted by trace_id; `manifest.json` is written last and records counts, filters, the content
+DuckDB versions. Outputs carry `trace_id`, `created_at`, `tenant`, `endpoint` (for evaluation by
+slice), `prompt_token_ids`, `response_token_ids` sorted by trace_id; `manifest.json` is written last and records counts, filters, the content
 digest and the consent snapshot digest.
 
 The consent snapshot is an Arrow table with columns consent_id, tenant, subject, purpose,
@@ -36,13 +36,14 @@ CONSENT_COLUMNS = (
     "expires_at",
     "revoked_at",
 )
-OUTPUT_COLUMNS = ("trace_id", "created_at", "prompt_token_ids", "response_token_ids")
+OUTPUT_COLUMNS = ("trace_id", "created_at", "tenant", "endpoint", "prompt_token_ids", "response_token_ids")
 _SPLIT_BUCKETS = 1_000_000
 
 # Each statement runs separately: DuckDB binds parameters only in the last statement of a batch.
 _WINDOW = """
 CREATE TEMP TABLE windowed AS
-    SELECT trace_id, created_at, finished_at, tenant, subject, consent_id, prompt_token_ids, response_token_ids
+    SELECT trace_id, created_at, finished_at, tenant, subject, consent_id, endpoint, prompt_token_ids,
+        response_token_ids
     FROM read_parquet($files, hive_partitioning = false)
     WHERE base_model = $base_model AND created_at >= $since AND created_at < $until
 """
@@ -97,17 +98,7 @@ def build_dataset(
     files = [str(p) for p in live_files(root, base_model)]
     if not files:
         raise ValueError(f"base_model: no trace files for {base_model!r} under {root}")
-    con = duckdb.connect()
-    con.register("consent", consent.select(list(CONSENT_COLUMNS)))
-    window = {
-        "files": files,
-        "base_model": base_model,
-        "since": since or datetime(1970, 1, 1, tzinfo=UTC),
-        "until": until or datetime(9999, 1, 1, tzinfo=UTC),
-    }
-    con.execute(_WINDOW, window)
-    con.execute(_DEDUPE)
-    con.execute(_CONSENTED, {"as_of": as_of})
+    con = _select_consented(files, consent, base_model, since, until, as_of)
     train, evaluation = _split(con, limit, eval_fraction)
     manifest = DatasetManifest(
         base_model=base_model,
@@ -129,6 +120,35 @@ def build_dataset(
     write_parquet_atomic(output / "eval.parquet", evaluation)
     write_json_atomic(output / "manifest.json", asdict(manifest))
     return manifest
+
+
+def count_consented(root: Path, consent: pa.Table, *, base_model: str, since: datetime | None = None,
+                    as_of: datetime | None = None) -> int:
+    """Unique consented traces of `base_model` created at or after `since`, selected exactly as
+    `build_dataset` selects them (the retrain trigger counts new traces with it); 0 with no files."""
+    as_of = as_of or datetime.now(UTC)
+    _check_arguments(consent, since, None, as_of, None, 0.0)
+    files = [str(p) for p in live_files(root, base_model)]
+    if not files:
+        return 0
+    return _count(_select_consented(files, consent, base_model, since, None, as_of), "consented")
+
+
+def _select_consented(files: list[str], consent: pa.Table, base_model: str, since: datetime | None,
+                      until: datetime | None, as_of: datetime) -> duckdb.DuckDBPyConnection:
+    """A connection holding `windowed`, `unique_traces` and `consented` for these files."""
+    con = duckdb.connect()
+    con.register("consent", consent.select(list(CONSENT_COLUMNS)))
+    window = {
+        "files": files,
+        "base_model": base_model,
+        "since": since or datetime(1970, 1, 1, tzinfo=UTC),
+        "until": until or datetime(9999, 1, 1, tzinfo=UTC),
+    }
+    con.execute(_WINDOW, window)
+    con.execute(_DEDUPE)
+    con.execute(_CONSENTED, {"as_of": as_of})
+    return con
 
 
 def _check_arguments(

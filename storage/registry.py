@@ -24,7 +24,8 @@ import os
 import re
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -34,6 +35,7 @@ from urllib.parse import unquote, urlparse
 
 import mlflow.artifacts
 from mlflow import MlflowClient
+from mlflow.entities import DatasetInput, Metric, Param
 from mlflow.entities.model_registry import ModelVersion, RegisteredModel
 from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_MAX_RETRIES, MLFLOW_HTTP_REQUEST_TIMEOUT
 from mlflow.exceptions import MlflowException
@@ -67,6 +69,9 @@ class Tag:
     GATE = "gate"  # the daemon's decision
     GATE_REASON = "gate_reason"
     APPROVAL = "approval"  # an `Approval`
+    PREVIOUS_CHAMPION = "previous_champion"  # the champion this version replaced when it was promoted
+    ROLLED_BACK = "rolled_back"  # why this version stopped being champion, when live τ fell
+    RUN = "retrain_run"  # the daemon run that produced it
 
 
 class Approval(StrEnum):
@@ -105,6 +110,7 @@ class DrafterVersion:
     source: str  # the artifact URI of the version's `drafter/` folder
     tags: Mapping[str, str] = field(hash=False)
     aliases: tuple[str, ...]
+    created_ms: int = 0  # when MLflow created the version, ms since the epoch
 
     def __post_init__(self) -> None:
         assert self.version.isdigit(), self.version
@@ -154,16 +160,26 @@ class DrafterRegistry:
         self._timeout_s = timeout_s
         self._client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
 
-    def register(self, artifact_dir: Path, base_model: str, tags: Mapping[str, str] = _NO_TAGS) -> DrafterVersion:
-        """Upload the artifact in one run and make it the next version of `base_model`'s model."""
+    def register(self, artifact_dir: Path, base_model: str, tags: Mapping[str, str] = _NO_TAGS,
+                 run_id: str | None = None) -> DrafterVersion:
+        """Upload the artifact and make it the next version of `base_model`'s model, with every tag set
+        in the one call that creates the version (a version is never seen half-tagged).
+
+        With `run_id` (a `start_run` run: the training run with its params, metrics and dataset) the
+        artifact goes into that run; otherwise into a run of its own."""
         name = registered_model_name(base_model)
         _check_artifact(Path(artifact_dir), base_model)
         version_tags = {**_checked_tags(tags, base_model), Tag.BASE_MODEL: base_model}
-        run_id, source = self._log_artifact_run(Path(artifact_dir), base_model)
+        if run_id is None:
+            run_id = self.start_run(base_model, "register-drafter")
+            source = self._log_artifact(run_id, Path(artifact_dir))
+            self.end_run(run_id)
+        else:
+            source = self._log_artifact(run_id, Path(artifact_dir))
         self._create_registered_model(name, base_model)
         with self._calling():
             created = self._client.create_model_version(name, source, run_id, tags=version_tags)
-        return _drafter_version(created, base_model, ())
+        return self.version(base_model, str(created.version))  # the answer to create lacks its creation time
 
     def version(self, base_model: str, version: str) -> DrafterVersion:
         """The given version; ValueError when `base_model`'s model has no such version."""
@@ -246,16 +262,35 @@ class DrafterRegistry:
                 if not target.is_dir():  # otherwise a concurrent download of the same version won
                     raise
 
-    def _log_artifact_run(self, artifact_dir: Path, base_model: str) -> tuple[str, str]:
-        """One run holding the artifact's files under `drafter/`: (run id, the folder's artifact URI)."""
-        experiment_id = self._experiment_id()
+    def start_run(self, base_model: str, run_name: str, tags: Mapping[str, str] = _NO_TAGS) -> str:
+        """A new MLflow run in the drafter experiment; its id."""
+        experiment_id = self._experiment_id()  # its own calls: `_calling` holds a lock that is not reentrant
         with self._calling():
-            run = self._client.create_run(experiment_id, tags={Tag.BASE_MODEL: base_model}, run_name="register-drafter")
-            run_id = run.info.run_id
+            run = self._client.create_run(experiment_id, tags={**tags, Tag.BASE_MODEL: base_model},
+                                          run_name=run_name)
+        return run.info.run_id
+
+    def log_run(self, run_id: str, params: Mapping[str, object] = _NO_TAGS, metrics: Mapping[str, float] = _NO_TAGS,
+                datasets: Sequence[DatasetInput] = ()) -> None:
+        """Params, metrics (at step 0) and dataset inputs of a run, in one batch and one inputs call."""
+        with self._calling():
+            self._client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()],
+                                   metrics=[Metric(k, float(v), _now_ms(), 0) for k, v in metrics.items()])
+            if datasets:
+                self._client.log_inputs(run_id, datasets=list(datasets))
+
+    def end_run(self, run_id: str, status: str = "FINISHED") -> None:
+        """FINISHED, FAILED or KILLED."""
+        with self._calling():
+            self._client.set_terminated(run_id, status)
+
+    def _log_artifact(self, run_id: str, artifact_dir: Path) -> str:
+        """The artifact's two files into the run's `drafter/` folder; that folder's artifact URI."""
+        with self._calling():
             for file in (WEIGHTS, CONFIG):
                 self._client.log_artifact(run_id, str(artifact_dir / file), ARTIFACT_PATH)
-            self._client.set_terminated(run_id)
-        return run_id, f"{run.info.artifact_uri}/{ARTIFACT_PATH}"
+            artifact_uri = self._client.get_run(run_id).info.artifact_uri
+        return f"{artifact_uri}/{ARTIFACT_PATH}"
 
     def _experiment_id(self) -> str:
         """The drafter experiment, created on first use: with the local artifact root for sqlite, so
@@ -393,6 +428,10 @@ def _checked_tags(tags: Mapping[str, str], base_model: str) -> dict[str, str]:
     return {key: str(value) for key, value in tags.items()}
 
 
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
 def _is_finite_float(value: str) -> bool:
     try:
         return math.isfinite(float(value))
@@ -406,4 +445,5 @@ def _float_tag(tags: Mapping[str, str], key: str) -> float | None:
 
 def _drafter_version(v: ModelVersion, base_model: str, aliases: tuple[str, ...]) -> DrafterVersion:
     return DrafterVersion(name=v.name, version=str(v.version), base_model=base_model, run_id=v.run_id,
-                          source=v.source, tags=dict(v.tags), aliases=tuple(sorted(aliases)))
+                          source=v.source, tags=dict(v.tags), aliases=tuple(sorted(aliases)),
+                          created_ms=int(v.creation_timestamp or 0))

@@ -45,3 +45,9 @@ def smollm2_gguf() -> Path:
 @pytest.fixture(scope="session")
 def smollm2(smollm2_gguf: Path) -> LoadedModel:
     return load_model(smollm2_gguf, torch.float32, torch.device("cpu"))
+
+
+@pytest.fixture(scope="session")
+def deep_loaded(tiny_hf_model: Callable[[str], Path]) -> LoadedModel:
+    """The tiny random Llama with 6 layers, so that a DFlash drafter can tap 3 of them (it needs 4)."""
+    return load_model(tiny_hf_model("llama-deep"), torch.float32, torch.device("cpu"))

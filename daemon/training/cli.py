@@ -6,7 +6,11 @@ loads the target once, and calls one function: `Trainer.run` (daemon/training/tr
 
 `train-drafter` declares only its own options (data, output, target model, dtype, device); the
 training options, with their defaults and help, are `TrainConfig`'s fields
-(daemon/training/config.py), turned into typer options here.
+(daemon/training/config.py), turned into typer options here, and `train_drafter_args` turns a
+`TrainConfig` back into them (for a caller that launches the command).
+
+Under `torchrun --nproc-per-node N -m daemon.cli train-drafter ...` the N processes train one drafter
+together (daemon/training/distributed.py); only the main one prints the result.
 """
 
 from __future__ import annotations
@@ -71,6 +75,24 @@ def _with_config_options(command: Callable[..., None]) -> Callable[..., None]:
     return command
 
 
+def train_drafter_args(cfg: TrainConfig) -> list[str]:
+    """The `train-drafter` options that give `cfg` (`--out` and TrainConfig's options; the fields that are
+    no option must keep their defaults)."""
+    defaults = {f.name: f.default for f in fields(TrainConfig)}
+    options = dict(_config_options())
+    for name in defaults.keys() - options.keys() - {"out_dir"}:
+        if getattr(cfg, name) != defaults[name]:
+            raise ValueError(f"{name} is no train-drafter option; it must keep its default {defaults[name]}")
+    args = ["--out", cfg.out_dir]
+    for name, how in options.items():
+        value, flag = getattr(cfg, name), (how.flag or name).replace("_", "-")
+        if isinstance(value, bool):
+            args.append(f"--{flag}" if value else f"--no-{flag}")
+        elif value is not None:
+            args += [f"--{flag}", str(value if how.from_field is None else how.from_field(value))]
+    return args
+
+
 def _train_config(out: Path, options: dict[str, Any]) -> TrainConfig:
     """The TrainConfig of a `train-drafter` invocation (ValueError naming the field when it is invalid)."""
     values = {}
@@ -90,6 +112,7 @@ def train_drafter(
     **options: Any,  # TrainConfig's options (`_with_config_options`)
 ) -> None:
     """Train a DFlash drafter on the target's own outputs and write the artifact to OUT."""
+    from daemon.training import distributed
     from daemon.training.sequences import read_sequences
     from daemon.training.trainer import Trainer
 
@@ -98,12 +121,15 @@ def train_drafter(
         sequences = read_sequences(data)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
-    loaded = _target(model, dtype, device)
-    try:
-        trainer = Trainer(cfg, loaded.model, loaded.fingerprint, sequences)
-    except ValueError as e:  # unusable data, a checkpoint of another run, a warm start for another model
-        raise typer.BadParameter(str(e)) from e
-    result = trainer.run()
+    with distributed.process_group(device) as this_device:
+        loaded = _target(model, dtype, this_device)
+        try:
+            trainer = Trainer(cfg, loaded.model, loaded.fingerprint, sequences)
+        except ValueError as e:  # unusable data, a checkpoint of another run, a warm start for another model
+            raise typer.BadParameter(str(e)) from e
+        result = trainer.run()
+        if not distributed.is_main():  # one result on stdout, however many processes trained
+            return
     typer.echo(json.dumps({
         "artifact": str(result.artifact), "steps": result.steps, "seconds": round(result.seconds, 1),
         "steps_per_second": result.steps_per_second, "train_response_tokens": result.train_tokens,

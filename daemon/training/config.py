@@ -23,6 +23,7 @@ class Option:
     flag: str | None = None  # the option's name, where it is not the field's (`--steps` for max_steps)
     flag_type: Any = None  # the option's annotation, where it is not the field's
     to_field: Callable[[Any], Any] | None = None  # a given (not None) option value as the field's value
+    from_field: Callable[[Any], Any] | None = None  # the inverse of `to_field`, where it is not the identity
 
 
 def option(default: Any, help: str | None = None, **how: Any) -> Any:
@@ -32,6 +33,10 @@ def option(default: Any, help: str | None = None, **how: Any) -> Any:
 
 def _minutes_to_seconds(minutes: float) -> float:
     return minutes * 60
+
+
+def _seconds_to_minutes(seconds: float) -> float:
+    return seconds / 60
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,8 @@ class TrainConfig:
     max_steps: int = option(1000, flag="steps")
     # Seconds here, minutes on the command line.
     max_seconds: float | None = option(None, "Wall-clock budget; the LR anneals over it when it ends first",
-                                       flag="max_minutes", to_field=_minutes_to_seconds)
+                                       flag="max_minutes", to_field=_minutes_to_seconds,
+                                       from_field=_seconds_to_minutes)
     batch_size: int = option(4)
     num_anchors: int = option(32, "Blocks per sequence per step", flag="anchors")
     max_seq_len: int = option(1024)

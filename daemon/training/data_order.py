@@ -3,7 +3,8 @@
 `split_sequences` keeps the usable sequences and splits off the held-out set for early stopping.
 `DataOrder` shuffles the training sequences per epoch, groups them into batches of similar
 length, and gives step n its batch. Both are functions of the seed, the epoch and the step only,
-so a resumed run repeats the same batches.
+so a resumed run repeats the same batches. A run in several processes (`distributed.py`) splits
+each step's batch between them: the batch size stays the run's, and so do its epochs.
 
 Not here: reading data (`daemon/training/sequences.py`), the target's features of a batch
 (`target_features.py`), anchors inside a batch (`objective.py`).
@@ -32,15 +33,21 @@ def split_sequences(sequences: list[TokenSequence],
 class DataOrder:
     """The training sequences of every step, epoch after epoch."""
 
-    def __init__(self, train_set: list[TokenSequence], cfg: TrainConfig, device: torch.device) -> None:
-        self.train_set, self.device = train_set, device
+    def __init__(self, train_set: list[TokenSequence], cfg: TrainConfig, device: torch.device, rank: int = 0,
+                 world_size: int = 1) -> None:
+        if cfg.batch_size < world_size:
+            raise ValueError(f"batch_size {cfg.batch_size} is less than the {world_size} processes: "
+                             "each needs a row of every batch")
+        self.train_set, self.device, self.rank, self.world_size = train_set, device, rank, world_size
         self.batch_size, self.seed, self.max_seq_len = cfg.batch_size, cfg.seed, cfg.max_seq_len
         self._order: tuple[int, list[int]] = (-1, [])  # (epoch, its sequence order)
 
     def batch(self, step: int) -> tuple[list[int], Batch]:
-        """Step `step`'s training indices and their batch (no target features yet)."""
+        """This process's rows of step `step`'s batch: their training indices and their batch (no target
+        features yet). Rows are dealt out in turn: a batch holds sequences of similar length, so the shares
+        of the processes cost about the same."""
         n, bs = len(self.train_set), self.batch_size
-        idx = [self.epoch_order(i // n)[i % n] for i in range(step * bs, step * bs + bs)]
+        idx = [self.epoch_order(i // n)[i % n] for i in range(step * bs, step * bs + bs)][self.rank::self.world_size]
         return idx, Batch.of([self.train_set[i] for i in idx], self.max_seq_len, self.device)
 
     def response_tokens_seen(self, steps: int) -> int:

@@ -2,7 +2,9 @@
 
 The step's anchors come from a generator seeded by the run's seed and the step number, so a resumed
 run draws the same anchors. Mixed precision is the loss's bf16 autocast only: the drafter's weights
-and AdamW's state stay fp32.
+and AdamW's state stay fp32. In a run of several processes, each computes the loss of its rows of the
+batch and the gradients are averaged over the processes before clipping, so every process takes the
+same step (`daemon/training/distributed.py`).
 
 Not here: the loss itself (`daemon/training/objective.py`), which batch a step trains on
 (`data_order.py`), the loop and its budgets (`trainer.py`).
@@ -12,6 +14,7 @@ import math
 
 import torch
 
+from daemon.training import distributed
 from daemon.training.config import TrainConfig
 from daemon.training.objective import Batch, BlockLoss, StepStats
 from engine.speculation.dflash import DFlashDrafter
@@ -55,6 +58,11 @@ class OptimizerStep:
         stats = self.loss(batch, gen)
         self.opt.zero_grad(set_to_none=True)
         stats.loss.backward()
+        # Averaged by hand, not by wrapping the drafter in DistributedDataParallel: the loss calls the
+        # drafter's fuse, context_kv and run_blocks, never its forward, and DDP syncs only the gradients
+        # of a backward that follows its own forward. The mean is over processes, not over supervised
+        # positions: a process with fewer labels this step weighs as much as one with more.
+        distributed.average_gradients(self.drafter.parameters())
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.cfg.grad_clip)
         self.opt.step()
         return stats

@@ -18,17 +18,25 @@ Each job has its own file in `daemon/training/`:
 | LR schedule, gradient step | `optimizer_step.py` |
 | held-out loss and τ, early stopping | `evaluation.py` |
 | the resumable state, `checkpoint.pt` | `checkpoint.py` |
+| the process group under `torchrun`, its collectives | `distributed.py` |
+
+Under `torchrun` each process trains on its rows of every batch and the gradients are averaged; the
+main process (rank 0) alone evaluates, keeps the clock and decides when to stop, and each step
+every process takes its word (`advance`), so all of them stop at the same step. Only the main
+process writes checkpoints and the artifact. In one process none of this does anything.
 
 Not here: reading data (`daemon/training/sequences.py`), the CLI (`daemon/training/cli.py`), the artifact
 format (`engine/speculation/drafter_artifact.py`).
 """
 
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
+from daemon.training import distributed
 from daemon.training.checkpoint import Checkpoint
 from daemon.training.config import TrainConfig
 from daemon.training.data_order import DataOrder, split_sequences
@@ -40,6 +48,8 @@ from daemon.training.sequences import TokenSequence
 from daemon.training.target_features import TargetFeatures
 from engine.model.transformer import Transformer
 from engine.speculation.drafter_artifact import Lineage, save_drafter
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,7 +80,7 @@ class Trainer:
             raise ValueError(f"max_seq_len must exceed the block size {self.drafter.config.block_size}, "
                              f"got {cfg.max_seq_len}")
         loss = BlockLoss(cfg, self.drafter, target)
-        self.data = DataOrder(self.train_set, cfg, self.device)
+        self.data = DataOrder(self.train_set, cfg, self.device, distributed.rank(), distributed.world_size())
         self.features = TargetFeatures(cfg, target, fingerprint, self.drafter.config.tap_layers, self.train_set)
         self.optimizer_step = OptimizerStep(cfg, self.drafter, loss)
         self.evaluation = Evaluation(cfg, self.drafter, target, self.heldout, loss)
@@ -86,7 +96,8 @@ class Trainer:
     def advance(self, until: int) -> str | None:
         """Train up to step `until`; the reason when a budget or early stopping ended training, else None."""
         cfg = self.cfg
-        bar = tqdm(total=cfg.max_steps, initial=self.step, disable=not cfg.progress, desc="train-drafter")
+        bar = tqdm(total=cfg.max_steps, initial=self.step, disable=not (cfg.progress and distributed.is_main()),
+                   desc="train-drafter")
         t0, start_step = time.monotonic(), self.step
         start = t0 - self.elapsed
         reason = None
@@ -100,6 +111,9 @@ class Trainer:
                 reason = "early_stop"
             elif cfg.max_seconds is not None and self.elapsed >= cfg.max_seconds:
                 reason = "max_seconds"
+            # The schedule follows the clock and every process must stop at the same step: all of them
+            # take the main process's clock and reason (it alone evaluates).
+            self.elapsed, reason = distributed.from_main((self.elapsed, reason))
             if self.step % cfg.checkpoint_every == 0:
                 self.save_checkpoint()
         bar.close()
@@ -108,27 +122,40 @@ class Trainer:
 
     def run(self) -> TrainResult:
         """Train until `max_steps`, the wall-clock budget or early stopping; write the artifact (best weights)."""
-        reason = self.advance(self.cfg.max_steps) or "max_steps"
+        return self.finish(self.advance(self.cfg.max_steps) or "max_steps")
+
+    def finish(self, reason: str) -> TrainResult:
+        """Evaluate once more unless the last step just was, save, and write the artifact (best weights);
+        `reason` is why training stopped (a caller that trains in chunks with `advance` ends with this)."""
         history = self.evaluation.history
         if self.heldout and (not history or history[-1]["step"] != self.step):
             self._evaluate()
         self.save_checkpoint()
-        return self._finish(reason)
+        log.info("process %d of %d: stopped at step %d (%s)", distributed.rank(), distributed.world_size(),
+                 self.step, reason)
+        # The main process's result on every process, once its artifact is on disk.
+        return distributed.from_main(self._write_artifact(reason) if distributed.is_main() else None)
 
     def _train_step(self) -> float:
+        """One step on this process's rows; the loss averaged over the processes."""
         idx, batch = self.data.batch(self.step)
         stats = self.optimizer_step(self.features.attach(batch, idx), self.step, self.elapsed)
-        self.supervised_seen += stats.supervised
-        self.first_drafts_seen += stats.first_drafts
-        return stats.loss.item()
+        loss, supervised, first_drafts = distributed.sum_over_ranks(stats.loss.item(), stats.supervised,
+                                                                    stats.first_drafts)
+        self.supervised_seen += int(supervised)
+        self.first_drafts_seen += int(first_drafts)
+        return loss / distributed.world_size()
 
     def _evaluate(self) -> bool:
-        """Evaluate on the held-out split now; True when training should stop early."""
+        """Evaluate on the held-out split now; True when training should stop early. Only the main process
+        evaluates (and keeps the best weights): the others' False is replaced by its answer."""
+        if not distributed.is_main():
+            return False
         seen = {"response_tokens_seen": self.data.response_tokens_seen(self.step),
                 "supervised_seen": self.supervised_seen, "first_drafts_seen": self.first_drafts_seen}
         return self.evaluation.evaluate(self.step, self.elapsed, seen)
 
-    def _finish(self, reason: str) -> TrainResult:
+    def _write_artifact(self, reason: str) -> TrainResult:
         stopping, store = self.evaluation.stopping, self.features.store
         if stopping.best_state is not None:
             self.drafter.load_state_dict(stopping.best_state)
@@ -139,11 +166,15 @@ class Trainer:
             "warm_start": self.cfg.init_from, "seconds": round(self.elapsed, 1), "stop_reason": reason,
         })
         path = save_drafter(self.out, self.drafter, self.fingerprint, lineage)
+        log.info("process %d of %d: wrote the drafter artifact %s", distributed.rank(), distributed.world_size(), path)
         features = {"computed": store.misses, "read_from_disk": store.disk_hits, "evicted_from_disk": store.evicted}
         return TrainResult(path, self.step, self.elapsed, self.steps_per_second, train_tokens, self.last_loss,
                            stopping.best_loss, reason, self.evaluation.history, features)
 
     def save_checkpoint(self) -> None:
+        """Write the checkpoint from the main process; every process holds the same weights and AdamW state."""
+        if not distributed.is_main():
+            return
         stopping = self.evaluation.stopping
         Checkpoint(
             drafter=self.drafter.state_dict(), opt=self.optimizer_step.opt.state_dict(), step=self.step,

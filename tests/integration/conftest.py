@@ -133,3 +133,31 @@ def stack(broker: EmbeddedBroker, tiny_loaded: LoadedModel, tmp_path_factory: py
     settings = server_settings(kafka_bootstrap=broker.bootstrap_servers, kafka_topic=topic, capture_flush_s=5)
     with running_sink(sink), serving(tiny_loaded, settings, consent) as (url, _):
         yield CaptureStack(url, tiny_loaded, resolved, topic, broker.bootstrap_servers)
+
+
+@dataclass
+class RegistryWiring:
+    """A fresh trace topic with its sink, and server settings that capture to it and follow a registry."""
+
+    consent: ConsentSettings
+    resolved: ConsentConfig
+    sink: SinkConfig
+    settings: ServerSettings
+
+    @property
+    def admin(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.resolved.admin_token}"}
+
+
+def registry_wiring(broker: EmbeddedBroker, tmp_path: Path, registry_uri: str, poll_s: float) -> RegistryWiring:
+    topic = f"traces-{uuid.uuid4().hex[:8]}"
+    ensure_topics(broker.bootstrap_servers, {topic: 3, f"{topic}.dlq": 1})
+    consent = consent_settings(tmp_path / "data", TENANTS_YAML)
+    resolved = consent.resolve()
+    sink = SinkConfig(bootstrap_servers=broker.bootstrap_servers, root=resolved.traces_root, topic=topic,
+                      group_id=f"sink-{topic}", dead_letter_topic=f"{topic}.dlq", flush_records=1_000,
+                      flush_interval_s=0.5)
+    settings = server_settings(kafka_bootstrap=broker.bootstrap_servers, kafka_topic=topic, capture_flush_s=5,
+                               registry=registry_uri, registry_poll_s=poll_s, proposer="combined",
+                               drafter_cache_dir=tmp_path / "cache")
+    return RegistryWiring(consent, resolved, sink, settings)

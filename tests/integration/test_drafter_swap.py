@@ -10,7 +10,6 @@ before the alias moved, v2 for those started after the engine answered the reloa
 import json
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,17 +22,9 @@ from engine.runtime.llm_engine import EngineConfig, LLMEngine
 from engine.runtime.sequence import SamplingParams
 from engine.speculation.dflash import DFlashConfig, DFlashDrafter
 from engine.speculation.drafter_artifact import Lineage, save_drafter
-from storage.broker import EmbeddedBroker, ensure_topics
+from storage.broker import EmbeddedBroker
 from storage.registry import CHAMPION, DrafterRegistry
-from storage.sink import SinkConfig
-from tests.integration.conftest import (
-    ACME_KEY,
-    TENANTS_YAML,
-    consent_settings,
-    running_sink,
-    server_settings,
-    serving,
-)
+from tests.integration.conftest import ACME_KEY, registry_wiring, running_sink, serving
 from tests.integration.test_capture_pipeline import _rows
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -140,17 +131,9 @@ def test_moving_the_alias_swaps_the_drafter_under_load(broker: EmbeddedBroker, t
                                                        registry: DrafterRegistry, tmp_path: Path) -> None:
     v1, v2 = _versions(registry, tiny_loaded, tmp_path)
     expected = {text: expected_tokens(tiny_loaded, text) for text in TEXTS}
-    topic = f"traces-{uuid.uuid4().hex[:8]}"
-    ensure_topics(broker.bootstrap_servers, {topic: 3, f"{topic}.dlq": 1})
-    consent = consent_settings(tmp_path / "data", TENANTS_YAML)
-    resolved = consent.resolve()
-    sink = SinkConfig(bootstrap_servers=broker.bootstrap_servers, root=resolved.traces_root, topic=topic,
-                      group_id=f"sink-{topic}", dead_letter_topic=f"{topic}.dlq", flush_records=1_000,
-                      flush_interval_s=0.5)
-    settings = server_settings(kafka_bootstrap=broker.bootstrap_servers, kafka_topic=topic, capture_flush_s=5,
-                               registry=registry.tracking_uri, registry_poll_s=60, proposer="combined",
-                               drafter_cache_dir=tmp_path / "cache")
-    admin = {"Authorization": f"Bearer {resolved.admin_token}"}
+    wiring = registry_wiring(broker, tmp_path, registry.tracking_uri, poll_s=60)
+    consent, resolved, sink, settings, admin = (wiring.consent, wiring.resolved, wiring.sink, wiring.settings,
+                                                wiring.admin)
     with running_sink(sink), serving(tiny_loaded, settings, consent) as (url, _):
         assert next(v for v in _serving_version(url) if v is not None) == f"v{v1}"  # the first look, at start
         r = httpx.post(f"{url}/admin/consents", json={"tenant": "acme", "user": "swap-user"}, headers=admin)

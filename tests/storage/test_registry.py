@@ -5,6 +5,7 @@ A new sqlite database costs a few seconds of MLflow migrations, so most tests sh
 keep apart by using a fresh fingerprint each.
 """
 
+import dataclasses
 import json
 import os
 import secrets
@@ -130,7 +131,7 @@ def test_aliases_are_set_moved_and_deleted(registry: DrafterRegistry, artifact: 
 
 
 def _with_aliases(v: DrafterVersion, *aliases: str) -> DrafterVersion:
-    return DrafterVersion(v.name, v.version, v.base_model, v.run_id, v.source, v.tags, aliases)
+    return dataclasses.replace(v, aliases=aliases)
 
 
 def test_tags_are_set_typed_and_checked(registry: DrafterRegistry, artifact: Path, fingerprint: str) -> None:

@@ -1,0 +1,1 @@
+"""The retraining loop: policy, runs, gate, promotion, rollback, scheduling."""

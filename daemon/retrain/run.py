@@ -1,0 +1,318 @@
+"""One retraining run, step by step, each step logged, timed and written to the run log.
+
+dataset (the DuckDB builder over consented traces of the served base model, consent re-checked
+against a fresh snapshot, manifest written) → champion (download, for the warm start and the
+contest) → train (the challenger) → evaluate (champion, challenger and n-gram lookup replayed on
+the same held-out traces) → gate → register (one MLflow run with params, metrics, the dataset
+through `log_inputs` with its digest, and the artifact; then one version created with every tag
+at once) → promote (move `champion`), or set `challenger` and wait for approval, or refuse.
+
+Nothing is half-registered: everything before `register` is local files, the version is created
+with all its tags in one call, and the alias moves after. A run stopped before `register`
+(SIGTERM, a lost lease) is `abandoned`; one stopped after it is resumed by `resume_promotion` when
+the daemon starts again. MLflow or a trace file failing makes the run `failed`; the schedule
+tries again at the next tick.
+
+Not here: when to run (`triggers.py`, `scheduler.py`), the decisions (`gate.py`), the alias moves
+(`promotion.py`), the trainer and the replay (`daemon/training/`, `daemon/evaluation/`).
+"""
+
+import logging
+import re
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+from mlflow.entities import DatasetInput, InputTag
+from mlflow.exceptions import MlflowException
+
+from consent.registry import ConsentRegistry
+from daemon.retrain import gate as gates
+from daemon.retrain import promotion
+from daemon.retrain.challenger import RunStopped, train_challenger, train_config
+from daemon.retrain.contest import CHALLENGER, Contest, run_contest
+from daemon.retrain.history import Action, PromotionHistory
+from daemon.retrain.policy import RetrainPolicy
+from daemon.retrain.run_log import Outcome, RunLog
+from daemon.retrain.settings import DaemonSettings
+from daemon.training.sequences import TokenSequence
+from engine.loaders.load import LoadedModel
+from engine.speculation.drafter_artifact import read_meta
+from storage.dataset import DatasetManifest, build_dataset
+from storage.registry import Approval, DrafterRegistry, DrafterVersion, RegistryUnavailable, Tag, tau_tags
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Loop:
+    """The daemon's long-lived parts, shared by every run for one base model."""
+
+    policy: RetrainPolicy
+    settings: DaemonSettings
+    registry: DrafterRegistry
+    target: LoadedModel
+    runs: RunLog
+    history: PromotionHistory
+
+    @property
+    def base_model(self) -> str:
+        return self.target.fingerprint
+
+
+@dataclass(frozen=True)
+class Prepared:
+    manifest: DatasetManifest
+    train: list[TokenSequence]
+    heldout: list[TokenSequence]
+    slice_keys: list[str] | None
+    directory: Path
+
+
+def new_run_id() -> str:
+    return f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
+
+
+class RetrainRun:
+    """`execute()` runs every step once and returns the outcome; the run log holds the details."""
+
+    def __init__(self, loop: Loop, run_id: str, stop: threading.Event,
+                 should_stop: Callable[[], str | None] = lambda: None) -> None:
+        self.loop, self.run_id, self.stop, self.should_stop = loop, run_id, stop, should_stop
+        self.dir = loop.settings.work_dir / run_id
+        self.timings: dict[str, float] = {}
+        self.started = datetime.now(UTC)
+
+    def execute(self) -> Outcome:
+        loop = self.loop
+        loop.runs.start(self.run_id, loop.base_model, self.started)
+        log.info("run %s for %s: starting", self.run_id, loop.base_model)
+        try:
+            outcome, detail = self._steps()
+        except RunStopped as e:
+            outcome, detail = Outcome.ABANDONED, str(e)
+        except (RegistryUnavailable, MlflowException) as e:
+            outcome, detail = Outcome.FAILED, f"MLflow: {e}"
+        except Exception as e:  # a bad trace file, a broken champion: this run fails, the daemon keeps going
+            log.exception("run %s failed", self.run_id)
+            outcome, detail = Outcome.FAILED, f"{type(e).__name__}: {e}"
+        loop.runs.finish(self.run_id, outcome, detail, self.timings)
+        log.info("run %s: %s (%s) in %.0f s", self.run_id, outcome, detail, sum(self.timings.values()))
+        return outcome
+
+    def _steps(self) -> tuple[Outcome, str]:
+        loop = self.loop
+        with self._step("dataset"):
+            prepared = self._dataset()
+        if isinstance(prepared, str):
+            return Outcome.SKIPPED, prepared
+        with self._step("champion"):
+            champion = loop.registry.champion(loop.base_model)
+            champion_dir = None if champion is None else loop.registry.download(
+                champion, loop.settings.work_dir / "drafters")
+        with self._step("train"):
+            warm = champion_dir if loop.policy.training.warm_start else None
+            cfg = train_config(loop.policy.training, self.dir / "challenger", warm, _seed(self.run_id),
+                               _dtype_name(loop.target))
+            result = train_challenger(cfg, loop.target.model, loop.base_model, prepared.train, self.should_stop,
+                                      self.stop, loop.policy.training.processes, loop.target.source)
+        with self._step("evaluate"):
+            contest = run_contest(loop.target.model, loop.base_model, prepared.heldout, result.artifact,
+                                  champion_dir, prepared.slice_keys)
+        self._check_stop()
+        decision = gates.decide(
+            loop.policy.gate, served_base_model=loop.base_model,
+            challenger_base_model=read_meta(result.artifact)["base_model_fingerprint"],
+            tau_challenger=contest.tau(CHALLENGER), tau_champion=contest.tau_baseline,
+            eval_sequences=contest.sequences, champion_label="none (n-gram)" if champion is None else champion.label)
+        log.info("run %s: gate %s: %s", self.run_id, decision.verdict, decision.reason)
+        with self._step("register"):
+            version = self._register(prepared, contest, decision, result, champion)
+        self.loop.runs.step(self.run_id, "registered", self.timings, version.version)
+        with self._step("promote"):
+            return act_on_gate(loop.registry, loop.history, version, decision, self.run_id)
+
+    def _dataset(self) -> Prepared | str:
+        """The dataset, or why there is too little data to train (the run is then skipped)."""
+        loop, policy = self.loop, self.loop.policy
+        consent = ConsentRegistry(loop.settings.consent_db)
+        try:
+            snapshot = consent.snapshot(policy.data.purpose)
+        finally:
+            consent.close()
+        since = None if policy.data.window_days is None else self.started - timedelta(days=policy.data.window_days)
+        directory = self.dir / "dataset"
+        try:
+            manifest = build_dataset(loop.settings.traces_root, directory, snapshot, base_model=loop.base_model,
+                                     since=since, until=self.started, limit=policy.data.max_traces,
+                                     eval_fraction=policy.evaluation.heldout_fraction)
+        except ValueError as e:  # no trace files yet for this base model
+            return str(e)
+        log.info("run %s: dataset of %d consented traces (%d train, %d held out) from %d files", self.run_id,
+                 manifest.consented_traces, manifest.train_rows, manifest.eval_rows, manifest.source_files)
+        if manifest.train_rows < policy.data.min_traces:
+            return f"{manifest.train_rows} training traces, the policy needs {policy.data.min_traces}"
+        if manifest.eval_rows < policy.evaluation.min_heldout:
+            return f"{manifest.eval_rows} held-out traces, the policy needs {policy.evaluation.min_heldout}"
+        train = _sequences(directory / "train.parquet")
+        heldout_table = pq.read_table(directory / "eval.parquet").slice(0, policy.evaluation.max_heldout)
+        heldout = [TokenSequence(tuple(p), tuple(r)) for p, r in zip(
+            heldout_table["prompt_token_ids"].to_pylist(), heldout_table["response_token_ids"].to_pylist(),
+            strict=True)]
+        keys = _slice_keys(heldout_table, policy.evaluation.slices)
+        return Prepared(manifest, train, heldout, keys, directory)
+
+    def _register(self, prepared: Prepared, contest: Contest, decision: gates.GateDecision, result: Any,
+                  champion: DrafterVersion | None) -> DrafterVersion:
+        loop = self.loop
+        registry = loop.registry
+        mlflow_run = registry.start_run(loop.base_model, f"retrain-{self.run_id}", {Tag.RUN: self.run_id})
+        try:
+            params = {**_flat("policy", loop.policy.model_dump(mode="json")), "champion":
+                      "none" if champion is None else champion.label, "train_steps": result.steps,
+                      "stop_reason": result.stop_reason, "dataset_digest": prepared.manifest.content_digest}
+            metrics = {**contest.metrics(), "train_seconds": result.seconds, "final_train_loss": result.final_train_loss,
+                       **{f"seconds_{k}": v for k, v in self.timings.items()}}
+            if result.best_heldout_loss is not None:
+                metrics["best_heldout_loss"] = result.best_heldout_loss
+            registry.log_run(mlflow_run, params, metrics, [_dataset_input(prepared)])
+            tags = {**tau_tags(contest.tau(CHALLENGER), contest.tau_baseline), Tag.EVAL_SET: contest.eval_set,
+                    Tag.DATASET: prepared.manifest.content_digest, Tag.GATE: decision.verdict.value,
+                    Tag.GATE_REASON: decision.reason, Tag.RUN: self.run_id}
+            if decision.verdict is gates.Verdict.AWAIT_APPROVAL:
+                tags[Tag.APPROVAL] = Approval.PENDING.value
+            version = registry.register(result.artifact, loop.base_model, tags, run_id=mlflow_run)
+        except BaseException:
+            _end_quietly(registry, mlflow_run, "FAILED")
+            raise
+        registry.end_run(mlflow_run)
+        log.info("run %s: registered %s of %s", self.run_id, version.label, version.name)
+        return version
+
+    def _check_stop(self) -> None:
+        why = "stop requested" if self.stop.is_set() else self.should_stop()
+        if why is not None:
+            raise RunStopped(f"stopped after step {list(self.timings)[-1]}: {why}")
+
+    @contextmanager
+    def _step(self, name: str) -> Iterator[None]:
+        self.loop.runs.step(self.run_id, name, self.timings)
+        log.info("run %s: step %s", self.run_id, name)
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self.timings[name] = round(time.monotonic() - t0, 2)
+        log.info("run %s: step %s done in %.1f s", self.run_id, name, self.timings[name])
+
+
+def act_on_gate(registry: DrafterRegistry, history: PromotionHistory, version: DrafterVersion,
+                decision: gates.GateDecision, run_id: str) -> tuple[Outcome, str]:
+    """Move the aliases as the gate decided and record it; the run's outcome."""
+    if decision.verdict is gates.Verdict.PROMOTE:
+        promotion.promote(registry, history, version, decision.reason, run_id=run_id)
+        return Outcome.PROMOTED, f"{version.label} promoted: {decision.reason}"
+    if decision.verdict is gates.Verdict.AWAIT_APPROVAL:
+        promotion.await_approval(registry, history, version, decision.reason, run_id=run_id)
+        return Outcome.AWAITING_APPROVAL, f"{version.label} awaits approval: {decision.reason}"
+    champion = registry.champion(version.base_model)
+    history.record(version.base_model, Action.REFUSED, version.label, decision.reason,
+                   previous=None if champion is None else champion.label, run_id=run_id)
+    return Outcome.REFUSED, f"{version.label} refused: {decision.reason}"
+
+
+def resume_promotion(loop: Loop) -> list[str]:
+    """Finish what runs killed after `register` left: the version exists with its gate tag, the
+    alias move and its history row may not. Other unfinished runs are marked abandoned."""
+    resumed = []
+    for run in loop.runs.runs(loop.base_model):
+        if run.outcome is not Outcome.RUNNING:
+            continue
+        if run.version is not None:  # set once the version exists with its gate tag
+            v = loop.registry.version(loop.base_model, run.version)
+            decision = gates.GateDecision(gates.Verdict(v.tags[Tag.GATE]), v.tags.get(Tag.GATE_REASON, ""))
+            done = loop.history.last(loop.base_model)
+            if done is not None and done.version == v.label and done.run_id == run.run_id:
+                outcome, detail = Outcome(_OUTCOME_OF[done.action]), f"{v.label}: {done.reason}"
+            else:
+                outcome, detail = act_on_gate(loop.registry, loop.history, v, decision, run.run_id)
+            loop.runs.finish(run.run_id, outcome, f"resumed after a restart: {detail}", run.timings)
+            resumed.append(run.run_id)
+    abandoned = loop.runs.abandon_unfinished(loop.base_model, "the daemon stopped before the run registered anything")
+    for run in abandoned:
+        log.warning("run %s was abandoned at step %s by a daemon that stopped", run.run_id, run.step)
+    return resumed
+
+
+_OUTCOME_OF = {Action.PROMOTED: Outcome.PROMOTED, Action.AWAITING_APPROVAL:
+               Outcome.AWAITING_APPROVAL, Action.REFUSED: Outcome.REFUSED,
+               Action.REJECTED: Outcome.REFUSED}
+
+
+def _sequences(path: Path) -> list[TokenSequence]:
+    table = pq.read_table(path, columns=["prompt_token_ids", "response_token_ids"])
+    return [TokenSequence(tuple(p), tuple(r)) for p, r in zip(
+        table["prompt_token_ids"].to_pylist(), table["response_token_ids"].to_pylist(), strict=True)]
+
+
+def _slice_keys(table: Any, slices: list[str]) -> list[str] | None:
+    if not slices:
+        return None
+    columns = [table[name].to_pylist() for name in slices]
+    return ["_".join(_metric_safe(f"{name}-{value}") for name, value in zip(slices, row, strict=True))
+            for row in zip(*columns, strict=True)]
+
+
+def _metric_safe(text: str) -> str:
+    """MLflow metric names allow letters, digits, `_-. /`; tenant names and endpoints fit after this."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)
+
+
+def _dataset_input(prepared: Prepared) -> DatasetInput:
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+
+    with warnings.catch_warnings():  # two registered sources both claim file:// URIs; either is right
+        warnings.simplefilter("ignore")
+        source = resolve_dataset_source(prepared.directory.resolve().as_uri())
+    manifest = prepared.manifest
+    # MLflow keeps at most 36 characters of a digest: the hex of our sha256, cut; the full one is a param.
+    dataset = MetaDataset(source, name=f"traces-{manifest.base_model}",
+                          digest=manifest.content_digest.removeprefix("sha256:")[:36])
+    tags = [InputTag("mlflow.data.context", "training"), InputTag("train_rows", str(manifest.train_rows)),
+            InputTag("eval_rows", str(manifest.eval_rows)),
+            InputTag("consent_snapshot", manifest.consent_snapshot_digest)]
+    return DatasetInput(dataset._to_mlflow_entity(), tags)
+
+
+def _flat(prefix: str, value: Any) -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flat(f"{prefix}.{k}", v))
+        return out
+    return {prefix: value}
+
+
+def _dtype_name(target: LoadedModel) -> str:
+    return str(target.model.dtype).removeprefix("torch.")
+
+
+def _seed(run_id: str) -> int:
+    return int(uuid.uuid5(uuid.NAMESPACE_OID, run_id).int % 2**31)
+
+
+def _end_quietly(registry: DrafterRegistry, run_id: str, status: str) -> None:
+    try:
+        registry.end_run(run_id, status)
+    except (RegistryUnavailable, MlflowException):  # MLflow is what failed; the run stays RUNNING there
+        log.warning("could not mark MLflow run %s %s", run_id, status)
+

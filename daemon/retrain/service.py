@@ -1,0 +1,237 @@
+"""`RetrainDaemon`: the long-running retraining service for one base model.
+
+It loads the target once, then runs two jobs on an APScheduler 3.x `BackgroundScheduler`:
+
+- the tick, on the policy's schedule (cron or interval), persisted in the state database's job
+  store so a tick missed while the daemon was down still runs on restart when it is at most the
+  policy's misfire grace late; missed ticks coalesce into one, and one executor thread with
+  `max_instances=1` means one run at a time. A tick checks the triggers (`triggers.py`) and, when
+  one fires, runs under the base model's lease (`lease.py`): two daemons never train for the same
+  base model at once, on one machine or many sharing a state database;
+- the watch, every `watch_s` seconds (in memory: it has nothing to catch up on): live τ from the
+  engines, approvals, rollbacks (`watch.py`).
+
+At start it finishes what a killed daemon left (`run.resume_promotion`). `shutdown()` (SIGTERM, via
+the HTTP server's lifespan) sets the stop event: a run in training stops within a few steps and is
+recorded as abandoned, with nothing registered; the scheduler waits for it.
+
+Not here: the HTTP endpoints (`daemon/retrain/http.py`), a run's steps (`run.py`).
+"""
+
+import logging
+import threading
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from apscheduler.executors.pool import ThreadPoolExecutor
+from apscheduler.jobstores.memory import MemoryJobStore
+from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
+from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.triggers.base import BaseTrigger
+from apscheduler.triggers.cron import CronTrigger
+from apscheduler.triggers.interval import IntervalTrigger
+
+from consent.registry import ConsentRegistry
+from daemon.retrain.history import Action, PromotionHistory
+from daemon.retrain.lease import Lease, LeaseHeld, daemon_identity
+from daemon.retrain.live_tau import LiveTau
+from daemon.retrain.metrics import DaemonMetrics
+from daemon.retrain.policy import RetrainPolicy, Schedule
+from daemon.retrain.run import Loop, RetrainRun, new_run_id, resume_promotion
+from daemon.retrain.run_log import Outcome, RunLog
+from daemon.retrain.settings import DaemonSettings
+from daemon.retrain.state_db import open_state
+from daemon.retrain.status import tick_job_id
+from daemon.retrain.triggers import Situation, TickDecision, decide_tick
+from daemon.retrain.watch import Watch
+from engine.loaders.load import LoadedModel
+from storage.dataset import count_consented
+from storage.registry import DrafterRegistry, RegistryUnavailable, Tag
+
+log = logging.getLogger(__name__)
+
+# The persistent job store names the tick's function by import path, so the function finds its
+# daemon here by base model.
+_DAEMONS: dict[str, "RetrainDaemon"] = {}
+
+
+@dataclass(frozen=True)
+class TickReport:
+    at: datetime
+    decision: TickDecision
+    run_id: str | None = None
+
+
+class RetrainDaemon:
+    def __init__(self, settings: DaemonSettings, policy: RetrainPolicy, target: LoadedModel,
+                 registry: DrafterRegistry | None = None) -> None:
+        self.settings, self.policy = settings, policy
+        self.db = open_state(settings.state_db)
+        self.loop = Loop(policy, settings, registry or DrafterRegistry(settings.registry), target, RunLog(self.db),
+                         PromotionHistory(self.db))
+        self.live = LiveTau(self.db)
+        self.watch = Watch(self.base_model, self.loop.registry, self.loop.history, self.live, policy.rollout,
+                           list(settings.engines), settings.plot)
+        self.metrics = DaemonMetrics()
+        self.owner = daemon_identity()
+        self.stop = threading.Event()
+        self.current_run: str | None = None
+        self.last_tick: TickReport | None = None
+        self.scheduler = BackgroundScheduler(
+            jobstores={"default": SQLAlchemyJobStore(engine=self.db), "memory": MemoryJobStore()},
+            executors={"default": ThreadPoolExecutor(1), "watch": ThreadPoolExecutor(1)},
+            job_defaults={"coalesce": True, "max_instances": 1}, timezone=UTC)
+
+    @property
+    def base_model(self) -> str:
+        return self.loop.base_model
+
+    def start(self) -> None:
+        _DAEMONS[self.base_model] = self
+        self._resume()
+        self.scheduler.start(paused=True)
+        self._schedule_tick()
+        self.scheduler.add_job(self._watch, IntervalTrigger(seconds=self.settings.watch_s), id="watch",
+                               jobstore="memory", executor="watch", replace_existing=True)
+        self.scheduler.resume()
+        log.info("retraining daemon for %s started; next tick %s", self.base_model, self.next_tick())
+
+    def shutdown(self) -> None:
+        """Stop: a run in progress is abandoned at its next check, and waited for."""
+        self.stop.set()
+        if self.scheduler.running:
+            self.scheduler.shutdown(wait=True)
+        _DAEMONS.pop(self.base_model, None)
+
+    def next_tick(self) -> datetime | None:
+        job = self.scheduler.get_job(tick_job_id(self.base_model))
+        return None if job is None else job.next_run_time
+
+    def tick(self) -> TickReport:
+        """Check the triggers; run when one fires and the lease is ours."""
+        now = datetime.now(UTC)
+        try:
+            decision = decide_tick(self.policy, self.situation(now))
+        except RegistryUnavailable as e:
+            decision = TickDecision(False, f"MLflow unavailable: {e}")
+        report = TickReport(now, decision)
+        if decision.train:
+            report = TickReport(now, decision, self._run_under_lease(decision.reason))
+        else:
+            log.info("tick: no run: %s", decision.reason)
+        self.metrics.ticks.labels("run" if report.run_id else "skip").inc()
+        self.last_tick = report
+        self._update_next_tick()
+        return report
+
+    def situation(self, now: datetime) -> Situation:
+        loop = self.loop
+        last = loop.runs.last_trained(self.base_model)
+        consent = ConsentRegistry(self.settings.consent_db)
+        try:
+            snapshot = consent.snapshot(self.policy.data.purpose)
+        finally:
+            consent.close()
+        new = count_consented(self.settings.traces_root, snapshot, base_model=self.base_model,
+                              since=None if last is None else last.data_until, as_of=now)
+        champion = loop.registry.champion(self.base_model)
+        promoted = loop.history.last(self.base_model, Action.PROMOTED, Action.ROLLED_BACK)
+        champion_since = None
+        live_tau = None
+        if champion is not None:
+            champion_since = (promoted.at if promoted is not None else
+                              datetime.fromtimestamp(champion.created_ms / 1000, UTC))
+            window = self.live.tau(champion.label, now - timedelta(minutes=self.policy.rollout.watch_minutes), now)
+            live_tau = None if window is None else window.tau
+        return Situation(now, new, champion_since, live_tau, None if promoted is None else promoted.at)
+
+    def _run_under_lease(self, why: str) -> str | None:
+        lease = self._lease()
+        run_id = new_run_id()
+        try:
+            with lease:
+                resume_promotion(self.loop)  # what a daemon that died under this lease left
+                log.info("tick: run %s: %s", run_id, why)
+                self.current_run = run_id
+                self.metrics.running.set(1)
+                outcome = RetrainRun(self.loop, run_id, self.stop, lambda: "lease lost" if lease.lost else None
+                                     ).execute()
+        except LeaseHeld as e:
+            log.info("tick: no run: %s", e)
+            return None
+        finally:
+            self.current_run = None
+            self.metrics.running.set(0)
+        self._count(run_id, outcome)
+        return run_id
+
+    def _count(self, run_id: str, outcome: Outcome) -> None:
+        """The finished run's outcome, step times and, when it reached the gate, its numbers."""
+        self.metrics.runs.labels(outcome.value).inc()
+        record = next((r for r in self.loop.runs.runs(self.base_model, limit=5) if r.run_id == run_id), None)
+        for step, seconds in ({} if record is None else record.timings).items():
+            self.metrics.step_seconds.labels(step).observe(seconds)
+        if record is None or record.version is None:
+            return
+        version = self.loop.registry.version(self.base_model, record.version)
+        self.metrics.gate.labels(version.tags.get(Tag.GATE, "")).inc()
+        self.metrics.tau.labels("challenger").set(version.tau_challenger or 0.0)
+        self.metrics.tau.labels("champion").set(version.tau_champion or 0.0)
+        event = self.loop.history.last(self.base_model)
+        if event is not None and event.run_id == run_id:
+            self.metrics.alias_moves.labels(event.action.value).inc()
+
+    def _lease(self) -> Lease:
+        return Lease(self.db, f"train:{self.base_model}", self.owner, self.settings.lease_ttl_s)
+
+    def _resume(self) -> None:
+        lease = self._lease()
+        try:
+            with lease:
+                for run_id in resume_promotion(self.loop):
+                    log.info("resumed the promotion step of run %s, killed after it registered", run_id)
+        except LeaseHeld as e:  # another daemon is alive, or a dead one's lease has not expired yet
+            log.warning("not resuming unfinished runs now (%s); the first run under the lease will", e)
+        except RegistryUnavailable as e:
+            log.warning("not resuming unfinished runs now (MLflow unavailable: %s); the next start will", e)
+
+    def _watch(self) -> None:
+        try:
+            self.watch()
+        except RegistryUnavailable as e:
+            log.warning("watch: MLflow unavailable: %s", e)
+        except Exception:  # the watch must outlive any one failure; the next one tries again
+            log.exception("watch failed")
+
+    def _schedule_tick(self) -> None:
+        """Keep the stored job (and its next run time, which may be overdue: a misfire) unless the
+        schedule changed."""
+        trigger = schedule_trigger(self.policy.schedule)
+        job = self.scheduler.get_job(tick_job_id(self.base_model))
+        if job is not None and str(job.trigger) == str(trigger):
+            log.info("tick job found in the job store, due %s", job.next_run_time)
+        else:
+            self.scheduler.add_job(scheduled_tick, trigger, args=[self.base_model], id=tick_job_id(self.base_model),
+                                   replace_existing=True,
+                                   misfire_grace_time=int(self.policy.schedule.misfire_grace_minutes * 60))
+        self._update_next_tick()
+
+    def _update_next_tick(self) -> None:
+        due = self.next_tick()
+        if due is not None:
+            self.metrics.next_run.set(due.timestamp())
+
+
+def schedule_trigger(schedule: Schedule) -> BaseTrigger:
+    if schedule.cron is not None:
+        return CronTrigger.from_crontab(schedule.cron, timezone=UTC)
+    return IntervalTrigger(minutes=schedule.interval_minutes, timezone=UTC)
+
+
+def scheduled_tick(base_model: str) -> None:
+    """The persisted tick job's function (the job store keeps its import path)."""
+    daemon = _DAEMONS.get(base_model)
+    if daemon is None:
+        log.warning("tick for %s, which no daemon in this process serves", base_model)
+        return
+    daemon.tick()

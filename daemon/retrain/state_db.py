@@ -1,0 +1,38 @@
+"""The daemon's own database: its scheduler's job store, the base-model lease, the run log, the
+promotion history and the live-τ samples, each a table owned by its module.
+
+`open_state(url)` returns one SQLAlchemy engine for a URL: a SQLite file on one machine
+(`sqlite:////abs/path/state.db`, the embedded default under the data directory), or a shared
+database (postgresql://...) when daemons on several machines must see one lease. SQLite runs in
+WAL mode with a busy timeout, so the scheduler's thread and the HTTP thread never fail on a lock
+the other holds for a moment.
+
+Not here: what any table holds (lease.py, run_log.py, history.py, live_tau.py), MLflow's own database.
+"""
+
+from pathlib import Path
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine.url import make_url
+
+_BUSY_TIMEOUT_MS = 10_000
+
+
+def open_state(url: str) -> Engine:
+    """The engine for `url`; a SQLite file's directory is created."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return create_engine(url, pool_pre_ping=True)
+    if parsed.database in (None, "", ":memory:"):
+        raise ValueError(f"state database: give a SQLite file (sqlite:////path/state.db), got {url!r}")
+    Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(url, connect_args={"timeout": _BUSY_TIMEOUT_MS / 1000})
+    event.listen(engine, "connect", _sqlite_pragmas)
+    return engine
+
+
+def _sqlite_pragmas(connection, _record) -> None:
+    cursor = connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
+    cursor.close()

@@ -1,0 +1,1 @@
+"""Client-side traffic for the demo: consented requests sent to a running engine."""

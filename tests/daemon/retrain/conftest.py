@@ -1,0 +1,95 @@
+"""A retraining loop on a tiny random Llama, with real parts: consented traces in the trace
+store's Parquet layout, a real consent registry, a real MLflow registry (SQLite, local artifacts)
+and the daemon's own SQLite state database. `make_loop(policy_yaml)` builds a `Loop` over them."""
+
+import random
+import uuid
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from consent.registry import ConsentRegistry
+from daemon.retrain.history import PromotionHistory
+from daemon.retrain.policy import parse_policy
+from daemon.retrain.run import Loop
+from daemon.retrain.run_log import RunLog
+from daemon.retrain.settings import DaemonSettings
+from daemon.retrain.state_db import open_state
+from engine.loaders.load import LoadedModel
+from engine.speculation.drafter_artifact import Lineage, save_drafter
+from storage.layout import hive_dir, sink_file_name, write_parquet_atomic
+from storage.registry import CHAMPION, DrafterRegistry
+from storage.schema import Trace, TraceSampling, TraceSpecStats, to_arrow, trace_day
+from tests.dflash_helpers import greedy_outputs, tiny_drafter
+
+TENANT = "acme"
+SUBJECT = "c" * 64
+FAST_POLICY = """
+schedule: {interval_minutes: 1}
+triggers: {min_new_traces: 10}
+data: {min_traces: 10}
+training: {max_steps: 12, max_minutes: 2, batch_size: 2, anchors: 8, block_size: 4}
+evaluation: {heldout_fraction: 0.25, min_heldout: 4}
+gate: {min_relative_gain: 0.0}
+cooldown_minutes: 0
+"""
+
+
+def store_traces(root: Path, loaded: LoadedModel, consent_id: str, count: int, seed: int = 0,
+                 created_at: datetime | None = None) -> None:
+    """`count` traces whose responses are the target's greedy answers, as the sink stores them."""
+    rng = random.Random(seed)
+    vocab = loaded.model.config.vocab_size
+    prompts = [tuple(rng.randrange(vocab) for _ in range(rng.randrange(6, 14))) for _ in range(count)]
+    at = created_at or datetime.now(UTC)  # after the consent was granted, before the run starts
+    traces = [_trace(s.prompt, s.response, loaded.fingerprint, consent_id, at) for s in
+              greedy_outputs(loaded.model, prompts, max_tokens=24)]
+    write_parquet_atomic(hive_dir(root, loaded.fingerprint, trace_day(traces[0])) /
+                         sink_file_name("traces", 0, seed * 100_000), to_arrow(traces))
+
+
+def _trace(prompt: tuple[int, ...], response: tuple[int, ...], base_model: str, consent_id: str,
+           at: datetime) -> Trace:
+    return Trace(
+        trace_id=uuid.uuid4().hex, created_at=at, finished_at=at + timedelta(milliseconds=200), tenant=TENANT,
+        subject=SUBJECT, consent_id=consent_id, consent_policy_version="2026-01", base_model=base_model,
+        drafter_version=None, endpoint="/v1/chat/completions",
+        sampling=TraceSampling(temperature=0.0, top_p=1.0, top_k=0, max_tokens=24, seed=None),
+        prompt_token_ids=list(prompt), response_token_ids=list(response), prompt_text=None, response_text=None,
+        spec=TraceSpecStats(drafts=0, draft_tokens=0, accepted_tokens=0), finish_reason="length")
+
+
+@pytest.fixture
+def consent_id(tmp_path: Path) -> str:
+    registry = ConsentRegistry(tmp_path / "consent.db")
+    try:
+        return registry.grant(TENANT, SUBJECT, "drafter_training", "2026-01", "test").consent_id
+    finally:
+        registry.close()
+
+
+@pytest.fixture
+def make_loop(tmp_path: Path, deep_loaded: LoadedModel) -> Callable[..., Loop]:
+    def make(policy_yaml: str = FAST_POLICY, registry: DrafterRegistry | None = None) -> Loop:
+        policy_file = tmp_path / "policy.yaml"
+        policy_file.write_text(policy_yaml)
+        registry_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+        settings = DaemonSettings(policy=policy_file, registry=registry_uri, traces_root=tmp_path / "traces",
+                                  consent_db=tmp_path / "consent.db", state_db=f"sqlite:///{tmp_path / 'state.db'}",
+                                  work_dir=tmp_path / "runs")
+        db = open_state(settings.state_db)
+        return Loop(parse_policy(policy_yaml), settings, registry or DrafterRegistry(registry_uri), deep_loaded,
+                    RunLog(db), PromotionHistory(db))
+
+    return make
+
+
+def seed_champion(loop: Loop, tmp_path: Path) -> str:
+    """A random tiny drafter as champion v1 (what a challenger warm-starts from); its version."""
+    art = save_drafter(tmp_path / "seed", tiny_drafter(loop.target.model, block_size=4), loop.base_model,
+                       Lineage("sha256:seed", 0, 0, {}))
+    v = loop.registry.register(art, loop.base_model)
+    loop.registry.set_alias(loop.base_model, CHAMPION, v.version)
+    return v.version

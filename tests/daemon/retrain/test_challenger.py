@@ -1,0 +1,95 @@
+"""Training the challenger in several processes: `train-drafter` under torchrun on the tiny 6-layer
+Llama gives the run's artifact, and a stop request ends every process of it within seconds."""
+
+import random
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from daemon.retrain.challenger import RunStopped, train_challenger, train_config
+from daemon.retrain.policy import Training
+from daemon.training import cli as training_cli
+from daemon.training.sequences import TokenSequence
+from engine.loaders.load import LoadedModel
+from engine.speculation.drafter_artifact import read_meta
+from tests.dflash_helpers import greedy_outputs
+
+TRAINING = Training(max_steps=6, batch_size=2, anchors=8, block_size=4)
+
+
+def test_train_drafter_args_give_back_the_config(tmp_path: Path) -> None:
+    cfg = replace(train_config(TRAINING, tmp_path / "out", tmp_path / "champion", seed=7, dtype="bfloat16"),
+                  num_layers=2, feature_dir=str(tmp_path / "features"))
+    parsed = []
+
+    @training_cli._with_config_options
+    def probe(out: Annotated[Path, typer.Option()], **options: object) -> None:
+        parsed.append(training_cli._train_config(out, options))
+
+    app = typer.Typer()
+    app.command()(probe)
+    run = CliRunner().invoke(app, training_cli.train_drafter_args(cfg))
+    assert run.exit_code == 0, run.output
+    assert parsed == [cfg]
+    with pytest.raises(ValueError, match="grad_clip is no train-drafter option"):
+        training_cli.train_drafter_args(replace(cfg, grad_clip=0.5))
+
+
+def answers(loaded: LoadedModel, n: int = 16) -> list[TokenSequence]:
+    rng = random.Random(0)
+    vocab = loaded.model.config.vocab_size
+    prompts = [tuple(rng.randrange(vocab) for _ in range(rng.randrange(6, 14))) for _ in range(n)]
+    return greedy_outputs(loaded.model, prompts, max_tokens=24)
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_train_the_challenger(deep_loaded: LoadedModel, tmp_path: Path) -> None:
+    cfg = train_config(TRAINING, tmp_path / "challenger", None, seed=0, dtype="float32")
+    result = train_challenger(cfg, deep_loaded.model, deep_loaded.fingerprint, answers(deep_loaded), lambda: None,
+                              threading.Event(), processes=2, model_source=deep_loaded.source)
+    assert result.artifact == tmp_path / "challenger" and result.steps == 6 and result.stop_reason == "max_steps"
+    meta = read_meta(result.artifact)
+    assert meta["base_model_fingerprint"] == deep_loaded.fingerprint and meta["lineage"]["steps"] == 6
+    assert result.final_train_loss > 0 and result.train_tokens > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["challenger"]  # the data's scratch directory is gone
+
+
+def processes_with(text: str) -> list[int]:
+    """Live (not zombie) processes whose command line holds `text`."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            alive = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+            if alive and text.encode() in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except (FileNotFoundError, ProcessLookupError):  # it ended while being read
+            continue
+    return found
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+@pytest.mark.timeout(300)
+def test_a_stop_request_ends_every_process_promptly(deep_loaded: LoadedModel, tmp_path: Path) -> None:
+    out = tmp_path / "challenger"
+    cfg = train_config(TRAINING.model_copy(update={"max_steps": 100_000}), out, None, seed=0, dtype="float32")
+    asked: list[float] = []
+
+    def should_stop() -> str | None:
+        # torchrun and both of its processes running: let them train a few seconds, then stop.
+        if len(processes_with(str(out))) >= 3 and not asked:
+            asked.append(time.monotonic() + 3.0)
+        return "lease lost" if asked and time.monotonic() >= asked[0] else None
+
+    with pytest.raises(RunStopped, match="lease lost"):
+        train_challenger(cfg, deep_loaded.model, deep_loaded.fingerprint, answers(deep_loaded), should_stop,
+                         threading.Event(), processes=2, model_source=deep_loaded.source)
+    took = time.monotonic() - asked[0]
+    assert took < 10.0, took
+    assert not processes_with(str(out))

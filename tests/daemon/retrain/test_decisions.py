@@ -1,0 +1,65 @@
+"""The pure decisions of the loop: the gate and the tick's triggers and cooldown."""
+
+from datetime import UTC, datetime, timedelta
+
+from daemon.retrain.gate import Verdict, decide
+from daemon.retrain.policy import Gate, parse_policy
+from daemon.retrain.triggers import Situation, decide_tick
+
+FP, OTHER = "0123456789abcdef", "fedcba9876543210"
+NOW = datetime(2026, 12, 1, 12, tzinfo=UTC)
+
+
+def gate(tau_challenger: float, tau_champion: float, gain: float = 0.05, approval: bool = False,
+         challenger_fp: str = FP):
+    return decide(Gate(min_relative_gain=gain, require_approval=approval), served_base_model=FP,
+                  challenger_base_model=challenger_fp, tau_challenger=tau_challenger, tau_champion=tau_champion,
+                  eval_sequences=40, champion_label="v3")
+
+
+def test_a_worse_or_barely_better_challenger_is_refused() -> None:
+    assert gate(2.0, 2.5).verdict is Verdict.REFUSE
+    barely = gate(2.09, 2.0)  # +4.5%, 5% needed
+    assert barely.verdict is Verdict.REFUSE and "below the 5.0% required gain" in barely.reason
+    assert "τ 2.090 vs v3 2.000 (+4.5%) on 40 held-out traces" in barely.reason
+
+
+def test_a_better_challenger_is_promoted_or_waits_for_approval() -> None:
+    assert gate(2.2, 2.0).verdict is Verdict.PROMOTE
+    waiting = gate(2.2, 2.0, approval=True)
+    assert waiting.verdict is Verdict.AWAIT_APPROVAL and waiting.passed
+
+
+def test_a_base_model_mismatch_is_refused_whatever_the_tau() -> None:
+    refused = gate(4.0, 1.5, challenger_fp=OTHER)
+    assert refused.verdict is Verdict.REFUSE and "base model mismatch" in refused.reason and OTHER in refused.reason
+
+
+POLICY = parse_policy("""
+schedule: {interval_minutes: 5}
+triggers: {min_new_traces: 100, max_champion_age_hours: 24, live_tau_below: 2.0}
+cooldown_minutes: 30
+""")
+
+
+def situation(new: int = 0, age_h: float = 1, live: float | None = 2.5, moved_min_ago: float | None = None):
+    return Situation(NOW, new, NOW - timedelta(hours=age_h), live,
+                     None if moved_min_ago is None else NOW - timedelta(minutes=moved_min_ago))
+
+
+def test_each_trigger_fires_on_its_own() -> None:
+    assert not decide_tick(POLICY, situation()).train
+    assert decide_tick(POLICY, situation(new=100)).reason.startswith("100 new consented traces")
+    assert "25.0 h old" in decide_tick(POLICY, situation(age_h=25)).reason
+    assert "live τ 1.900 is below 2.0" in decide_tick(POLICY, situation(live=1.9)).reason
+
+
+def test_cooldown_holds_every_trigger_back() -> None:
+    held = decide_tick(POLICY, situation(new=500, live=1.0, moved_min_ago=10))
+    assert not held.train and held.reason.startswith("cooling down until 2026-12-01 12:20:00")
+    assert decide_tick(POLICY, situation(new=500, moved_min_ago=31)).train
+
+
+def test_no_champion_and_no_live_tau_fire_only_on_traces() -> None:
+    s = Situation(NOW, 5, None, None, None)
+    assert not decide_tick(POLICY, s).train

@@ -1,0 +1,78 @@
+"""Retrain policies: every shipped example validates, and a bad file gets one error per problem
+naming the field and its line."""
+
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from daemon.retrain import cli
+from daemon.retrain.policy import PolicyError, RetrainPolicy, load_policy, parse_policy
+
+EXAMPLES = sorted((Path(__file__).parents[3] / "deploy" / "policies").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_validates(path: Path) -> None:
+    assert isinstance(load_policy(path), RetrainPolicy)
+
+
+def test_there_are_examples() -> None:
+    assert {p.name for p in EXAMPLES} >= {"default.yaml", "demo.yaml", "approval.yaml"}
+
+
+def errors(text: str) -> list[str]:
+    with pytest.raises(PolicyError) as e:
+        parse_policy(text, "p.yaml")
+    return str(e.value).splitlines()
+
+
+def test_errors_name_field_and_line() -> None:
+    text = "schedule:\n  interval_minutes: 5\ngate:\n  min_relative_gain: -1\ntraining:\n  max_steps: 0\n"
+    assert errors(text) == ["p.yaml: training.max_steps (line 6): Input should be greater than 0",
+                            "p.yaml: gate.min_relative_gain (line 4): Input should be greater than or equal to 0"]
+
+
+def test_a_misspelt_key_is_an_error_not_a_default() -> None:
+    (line,) = errors("schedule: {interval_minutes: 5}\ngate:\n  require_aproval: true\n")
+    assert line == "p.yaml: gate.require_aproval (line 3): Extra inputs are not permitted"
+
+
+def test_schedule_needs_exactly_one_of_cron_and_interval() -> None:
+    assert "give exactly one of cron or interval_minutes" in errors("schedule: {}\n")[0]
+    assert "give exactly one" in errors("schedule: {cron: '* * * * *', interval_minutes: 1}\n")[0]
+    (line,) = errors("cooldown_minutes: 1\nschedule:\n  cron: '61 * * * *'\n")
+    assert line.startswith("p.yaml: schedule (line 3): Value error, cron '61 * * * *' is not a crontab line")
+
+
+def test_missing_schedule_and_wrong_types() -> None:
+    assert errors("triggers: {min_new_traces: 5}\n") == ["p.yaml: schedule (line 1): Field required"]
+    (line,) = errors("schedule: {interval_minutes: 5}\nevaluation:\n  slices: [tenant, region]\n")
+    assert line.startswith("p.yaml: evaluation.slices.1 (line 3): Input should be 'tenant' or 'endpoint'")
+
+
+def test_not_yaml_or_not_a_mapping() -> None:
+    assert errors("schedule: [1,\n")[0].startswith("p.yaml (line 2): not valid YAML")
+    assert errors("- 1\n") == ["p.yaml: a policy is a YAML mapping with at least a `schedule` section"]
+
+
+def test_defaults_fill_every_section() -> None:
+    policy = parse_policy("schedule: {interval_minutes: 30}\n")
+    assert policy.gate.min_relative_gain == 0.02 and policy.rollout.rollback_below == 0.9
+    assert policy.training.warm_start and policy.triggers.min_new_traces == 200
+
+
+def test_validate_command(tmp_path: Path) -> None:
+    app = typer.Typer()
+    cli.register(app)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("schedule: {interval_minutes: 0}\n")
+    runner = CliRunner()
+    ok = runner.invoke(app, ["policy", "validate", str(EXAMPLES[0])])
+    assert ok.exit_code == 0 and ok.output.strip().endswith(": ok")
+    failed = runner.invoke(app, ["policy", "validate", str(EXAMPLES[0]), str(bad)])
+    assert failed.exit_code == 1
+    assert "schedule.interval_minutes (line 1): Input should be greater than 0" in failed.output
+    missing = runner.invoke(app, ["policy", "validate", str(tmp_path / "nope.yaml")])
+    assert missing.exit_code == 1 and "cannot read the policy" in missing.output

@@ -1,0 +1,179 @@
+"""A retraining run end to end on the tiny model with real MLflow, consent registry and Parquet:
+dataset → train → contest → gate → register → promote, and each way it can end otherwise."""
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from daemon.retrain.history import Action
+from daemon.retrain.run import Loop, RetrainRun, new_run_id, resume_promotion
+from daemon.retrain.run_log import Outcome
+from storage.registry import CHALLENGER, Approval, DrafterRegistry, RegistryUnavailable, Tag
+from tests.daemon.retrain.conftest import FAST_POLICY, seed_champion, store_traces
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def run(loop: Loop, **kw: object) -> tuple[str, Outcome]:
+    run_id = new_run_id()
+    return run_id, RetrainRun(loop, run_id, threading.Event(), **kw).execute()
+
+
+def test_a_run_registers_a_fully_tagged_version_and_promotes_it(make_loop: Callable[..., Loop], consent_id: str,
+                                                                 tmp_path: Path) -> None:
+    loop = make_loop()
+    store_traces(loop.settings.traces_root, loop.target, consent_id, 48)
+    seed_champion(loop, tmp_path)
+    run_id, outcome = run(loop)
+    record = loop.runs.runs()[-1]
+    assert outcome is Outcome.PROMOTED, record.detail
+    assert list(record.timings) == ["dataset", "champion", "train", "evaluate", "register", "promote"]
+    v = loop.registry.champion(loop.base_model)
+    assert v.version == "2" and record.version == "2"
+    for tag in (Tag.BASE_MODEL, Tag.TAU_CHALLENGER, Tag.TAU_CHAMPION, Tag.EVAL_SET, Tag.DATASET, Tag.GATE,
+                Tag.GATE_REASON, Tag.RUN, Tag.PREVIOUS_CHAMPION):
+        assert v.tags.get(tag), tag
+    assert v.tags[Tag.GATE] == "promote" and v.tags[Tag.PREVIOUS_CHAMPION] == "1" and v.tags[Tag.RUN] == run_id
+    event = loop.history.last(loop.base_model)
+    assert (event.action, event.version, event.previous, event.run_id) == (Action.PROMOTED, "v2", "v1", run_id)
+    # The MLflow run holds the params, metrics and dataset, and the version's artifact.
+    client = loop.registry._client
+    mlflow_run = client.get_run(v.run_id)
+    assert mlflow_run.data.metrics["tau_challenger"] == pytest.approx(v.tau_challenger)
+    assert {"tau_ngram", "tau_champion", "acceptance_pos0_challenger"} <= set(mlflow_run.data.metrics)
+    assert mlflow_run.data.params["policy.training.max_steps"] == "12"
+    (dataset,) = mlflow_run.inputs.dataset_inputs
+    assert v.tags[Tag.DATASET].removeprefix("sha256:").startswith(dataset.dataset.digest)
+    assert mlflow_run.info.status == "FINISHED"
+
+
+def test_a_challenger_below_the_gain_is_refused_and_champion_stays(make_loop: Callable[..., Loop], consent_id: str,
+                                                                 tmp_path: Path) -> None:
+    loop = make_loop(FAST_POLICY.replace("min_relative_gain: 0.0", "min_relative_gain: 100.0"))
+    store_traces(loop.settings.traces_root, loop.target, consent_id, 48)
+    seed_champion(loop, tmp_path)
+    _, outcome = run(loop)
+    assert outcome is Outcome.REFUSED
+    assert loop.registry.champion(loop.base_model).version == "1"
+    refused = loop.registry.version(loop.base_model, "2")
+    assert refused.tags[Tag.GATE] == "refuse" and "below the 10000.0% required gain" in refused.tags[Tag.GATE_REASON]
+    assert loop.history.last(loop.base_model).action is Action.REFUSED
+
+
+def test_with_approval_required_it_waits_then_a_rejection_is_never_promoted(
+        make_loop: Callable[..., Loop], consent_id: str, tmp_path: Path) -> None:
+    from daemon.retrain.promotion import settle_approval
+
+    loop = make_loop(FAST_POLICY.replace("min_relative_gain: 0.0", "min_relative_gain: 0.0, require_approval: true"))
+    store_traces(loop.settings.traces_root, loop.target, consent_id, 48)
+    seed_champion(loop, tmp_path)
+    _, outcome = run(loop)
+    assert outcome is Outcome.AWAITING_APPROVAL
+    waiting = loop.registry.by_alias(loop.base_model, CHALLENGER)
+    assert waiting.version == "2" and waiting.approval is Approval.PENDING
+    assert settle_approval(loop.registry, loop.history, loop.base_model) is None  # still pending
+    assert loop.registry.champion(loop.base_model).version == "1"
+    loop.registry.set_tags(loop.base_model, "2", {Tag.APPROVAL: Approval.REJECTED})
+    assert settle_approval(loop.registry, loop.history, loop.base_model).action is Action.REJECTED
+    assert loop.registry.champion(loop.base_model).version == "1"
+    assert loop.registry.by_alias(loop.base_model, CHALLENGER) is None
+    assert settle_approval(loop.registry, loop.history, loop.base_model) is None
+
+
+def test_an_approved_challenger_is_promoted(make_loop: Callable[..., Loop], consent_id: str, tmp_path: Path) -> None:
+    from daemon.retrain.promotion import settle_approval
+
+    loop = make_loop(FAST_POLICY.replace("min_relative_gain: 0.0", "min_relative_gain: 0.0, require_approval: true"))
+    store_traces(loop.settings.traces_root, loop.target, consent_id, 48)
+    seed_champion(loop, tmp_path)
+    run(loop)
+    loop.registry.set_tags(loop.base_model, "2", {Tag.APPROVAL: Approval.APPROVED})
+    event = settle_approval(loop.registry, loop.history, loop.base_model)
+    assert (event.action, event.version, event.previous, event.actor) == (Action.PROMOTED, "v2", "v1", "approval")
+    assert loop.registry.champion(loop.base_model).version == "2"
+
+
+def test_without_a_champion_the_challenger_must_beat_ngram_lookup(make_loop: Callable[..., Loop],
+                                                                 consent_id: str) -> None:
+    loop = make_loop()
+    store_traces(loop.settings.traces_root, loop.target, consent_id, 48)
+    run(loop)
+    v = loop.registry.version(loop.base_model, "1")
+    assert "vs none (n-gram)" in v.tags[Tag.GATE_REASON]
+    mlflow_run = loop.registry._client.get_run(v.run_id)
+    assert float(v.tags[Tag.TAU_CHAMPION]) == pytest.approx(mlflow_run.data.metrics["tau_ngram"])
+
+
+def test_too_few_traces_skips_without_training(make_loop: Callable[..., Loop], consent_id: str) -> None:
+    loop = make_loop()
+    store_traces(loop.settings.traces_root, loop.target, consent_id, 6)
+    _, outcome = run(loop)
+    record = loop.runs.runs()[-1]
+    assert outcome is Outcome.SKIPPED and "the policy needs 10" in record.detail
+    assert loop.registry.versions(loop.base_model) == []
+
+
+def test_no_traces_at_all_skips(make_loop: Callable[..., Loop]) -> None:
+    _, outcome = run(make_loop())
+    assert outcome is Outcome.SKIPPED
+
+
+def test_mlflow_down_fails_the_run_cleanly(make_loop: Callable[..., Loop], consent_id: str) -> None:
+    dead = DrafterRegistry("http://127.0.0.1:9", timeout_s=1)  # nothing listens on the discard port
+    loop = make_loop(registry=dead)
+    store_traces(loop.settings.traces_root, loop.target, consent_id, 48)
+    _, outcome = run(loop)
+    record = loop.runs.runs()[-1]
+    assert outcome is Outcome.FAILED and record.detail.startswith("MLflow"), record.detail
+    assert loop.history.events() == []
+
+
+def test_a_stop_during_training_abandons_the_run_and_registers_nothing(make_loop: Callable[..., Loop],
+                                                                       consent_id: str) -> None:
+    loop = make_loop()
+    store_traces(loop.settings.traces_root, loop.target, consent_id, 48)
+    _, outcome = run(loop, should_stop=lambda: "lease lost")
+    record = loop.runs.runs()[-1]
+    assert outcome is Outcome.ABANDONED and "lease lost" in record.detail and record.step == "train"
+    assert loop.registry.versions(loop.base_model) == []
+
+
+def test_a_run_killed_after_registering_is_promoted_on_restart(make_loop: Callable[..., Loop], consent_id: str,
+                                                               tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from daemon.retrain import run as run_module
+
+    loop = make_loop()
+    store_traces(loop.settings.traces_root, loop.target, consent_id, 48)
+    seed_champion(loop, tmp_path)
+
+    def killed(*_: object, **__: object) -> None:
+        raise SystemExit("killed")  # what dies with the process: nothing after register ran
+
+    monkeypatch.setattr(run_module, "act_on_gate", killed)
+    run_id = new_run_id()
+    with pytest.raises(SystemExit):
+        RetrainRun(loop, run_id, threading.Event()).execute()
+    monkeypatch.undo()
+    assert loop.runs.runs()[-1].outcome is Outcome.RUNNING and loop.runs.runs()[-1].version == "2"
+    assert loop.registry.champion(loop.base_model).version == "1"
+    assert resume_promotion(loop) == [run_id]
+    assert loop.registry.champion(loop.base_model).version == "2"
+    record = loop.runs.runs()[-1]
+    assert record.outcome is Outcome.PROMOTED and record.detail.startswith("resumed after a restart")
+
+
+def test_unfinished_runs_before_register_are_abandoned_on_restart(make_loop: Callable[..., Loop]) -> None:
+    loop = make_loop()
+    loop.runs.start("r-dead", loop.base_model, loop.runs.runs()[-1].started_at if loop.runs.runs() else
+                    __import__("datetime").datetime.now(__import__("datetime").UTC))
+    loop.runs.step("r-dead", "train", {"dataset": 1.0})
+    assert resume_promotion(loop) == []
+    record = loop.runs.runs()[-1]
+    assert record.outcome is Outcome.ABANDONED and "at step train" in record.detail
+
+
+def test_registry_unavailable_is_what_a_dead_server_raises() -> None:
+    with pytest.raises(RegistryUnavailable):
+        DrafterRegistry("http://127.0.0.1:9", timeout_s=1).champion("0" * 16)

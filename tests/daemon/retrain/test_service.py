@@ -1,0 +1,103 @@
+"""The daemon as a service on the tiny model: its tick job persists across restarts (a missed tick
+runs on restart, coalesced), a tick trains only when a trigger fires, and the HTTP side reports
+health, metrics and status."""
+
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
+
+from daemon.retrain.http import daemon_app
+from daemon.retrain.run import Loop
+from daemon.retrain.run_log import Outcome
+from daemon.retrain.service import RetrainDaemon
+from daemon.retrain.status import next_tick, tick_job_id
+from tests.daemon.retrain.conftest import FAST_POLICY, seed_champion, store_traces
+from tests.server_thread import serve_in_thread
+
+pytestmark = pytest.mark.timeout(300)
+
+HOURLY = FAST_POLICY.replace("schedule: {interval_minutes: 1}", "schedule: {interval_minutes: 60}")
+
+
+def daemon_of(loop: Loop) -> RetrainDaemon:
+    return RetrainDaemon(loop.settings.model_copy(update={"watch_s": 0.5}), loop.policy, loop.target, loop.registry)
+
+
+def wait_for(check: Callable[[], object], timeout: float = 120.0) -> object:
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+    return value
+
+
+def test_the_tick_job_survives_a_restart_and_a_missed_tick_runs_once(make_loop: Callable[..., Loop],
+                                                                     consent_id: str) -> None:
+    loop = make_loop(HOURLY)
+    daemon = daemon_of(loop)
+    daemon.start()
+    due = daemon.next_tick()
+    assert due is not None and due > datetime.now(UTC) + timedelta(minutes=59)
+    daemon.shutdown()
+    assert next_tick(daemon.db, loop.base_model) == due  # persisted in the state database
+    # As if the daemon had been down since 30 s before the tick fell due (within the misfire
+    # grace): the stored job's next run time is in the past.
+    late = datetime.now(UTC) - timedelta(seconds=30)
+    store = SQLAlchemyJobStore(engine=daemon.db)
+    store.start(daemon.scheduler, "default")
+    job = store.lookup_job(tick_job_id(loop.base_model))
+    job._modify(next_run_time=late)
+    store.update_job(job)
+    store_traces(loop.settings.traces_root, loop.target, consent_id, 40)
+    restarted = daemon_of(make_loop(HOURLY))
+    restarted.start()
+    try:
+        report = wait_for(lambda: restarted.last_tick)
+        assert report.decision.train and report.run_id is not None
+        assert restarted.next_tick() > datetime.now(UTC) + timedelta(minutes=58)  # rescheduled, not run again
+        runs = restarted.loop.runs.runs()
+        assert len(runs) == 1 and runs[0].outcome in (Outcome.PROMOTED, Outcome.REFUSED), runs[0].detail
+    finally:
+        restarted.shutdown()
+
+
+def test_a_tick_without_a_trigger_does_not_run(make_loop: Callable[..., Loop], consent_id: str) -> None:
+    loop = make_loop(HOURLY.replace("min_new_traces: 10", "min_new_traces: 1000"))
+    store_traces(loop.settings.traces_root, loop.target, consent_id, 40)
+    report = daemon_of(loop).tick()
+    assert not report.decision.train and "40 new consented traces of 1000 needed" in report.decision.reason
+    assert loop.runs.runs() == []
+
+
+def test_traces_counted_by_a_run_do_not_trigger_the_next(make_loop: Callable[..., Loop], consent_id: str) -> None:
+    loop = make_loop(HOURLY)
+    store_traces(loop.settings.traces_root, loop.target, consent_id, 40)
+    daemon = daemon_of(loop)
+    assert daemon.tick().decision.train
+    again = daemon.tick()
+    assert not again.decision.train and again.decision.reason.startswith("no trigger: 0 new")
+
+
+def test_health_metrics_and_status_over_http(make_loop: Callable[..., Loop], consent_id: str, tmp_path: Path) -> None:
+    loop = make_loop(HOURLY)
+    store_traces(loop.settings.traces_root, loop.target, consent_id, 40)
+    seed_champion(loop, tmp_path)
+    daemon = daemon_of(loop)
+    with serve_in_thread(daemon_app(daemon)) as url:
+        health = httpx.get(f"{url}/health").json()
+        assert health["status"] == "ok" and health["base_model"] == loop.base_model and health["next_tick"]
+        daemon.tick()
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'specloop_daemon_runs_total{outcome="promoted"} 1.0' in metrics
+        assert 'specloop_daemon_gate_decisions_total{verdict="promote"} 1.0' in metrics
+        assert 'specloop_daemon_step_seconds_count{step="train"} 1.0' in metrics
+        assert 'specloop_daemon_gate_tau{contender="challenger"}' in metrics
+        status = httpx.get(f"{url}/status").json()
+        assert status["champion"]["version"] == "v2" and status["last_runs"][0]["outcome"] == "promoted"
+        assert status["history"][0]["action"] == "promoted"
+    assert not daemon.scheduler.running  # the lifespan shut it down
