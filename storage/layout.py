@@ -114,6 +114,11 @@ def pending_merges(directory: Path) -> Iterator[tuple[Path, Path, list[Path]]]:
         yield manifest, directory / document["merged"], sources
 
 
+def base_models(root: Path) -> list[str]:
+    """The fingerprints that have a partition under `root`, sorted."""
+    return sorted(p.name.removeprefix("base_model=") for p in root.glob("base_model=*") if p.is_dir())
+
+
 def live_files(root: Path, base_model: str | None = None) -> list[Path]:
     """The Parquet files a reader should read: each row exactly once.
 

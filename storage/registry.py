@@ -72,6 +72,7 @@ class Tag:
     PREVIOUS_CHAMPION = "previous_champion"  # the champion this version replaced when it was promoted
     ROLLED_BACK = "rolled_back"  # why this version stopped being champion, when live τ fell
     RUN = "retrain_run"  # the daemon run that produced it
+    BOOTSTRAP_FROM = "bootstrap_from"  # the base model whose prompts a first drafter was trained on
 
 
 class Approval(StrEnum):

@@ -14,6 +14,8 @@ from enum import StrEnum
 
 from sqlalchemy import Column, DateTime, Engine, Integer, MetaData, String, Table, insert, select
 
+from daemon.retrain.state_db import create_tables
+
 _metadata = MetaData()
 _events = Table(
     "promotion_history", _metadata,
@@ -52,7 +54,7 @@ class Event:
 
 class PromotionHistory:
     def __init__(self, db: Engine) -> None:
-        _metadata.create_all(db)
+        create_tables(_metadata, db)
         self.db = db
 
     def record(self, base_model: str, action: Action, version: str, reason: str, *, previous: str | None = None,

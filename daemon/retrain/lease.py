@@ -24,6 +24,8 @@ from typing import Self
 from sqlalchemy import Column, Engine, Float, MetaData, String, Table, and_, delete, insert, or_, update
 from sqlalchemy.exc import IntegrityError
 
+from daemon.retrain.state_db import create_tables
+
 log = logging.getLogger(__name__)
 
 _metadata = MetaData()
@@ -51,7 +53,7 @@ class Lease:
     def __init__(self, db: Engine, name: str, owner: str, ttl_s: float = 60.0) -> None:
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        _metadata.create_all(db)
+        create_tables(_metadata, db)
         self.db, self.name, self.owner, self.ttl_s = db, name, owner, ttl_s
         self.lost = False
         self._stop = threading.Event()

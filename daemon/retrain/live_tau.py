@@ -40,6 +40,8 @@ from sqlalchemy import (
     select,
 )
 
+from daemon.retrain.state_db import create_tables
+
 # Sample names as engine/server/metrics.py exports them (prometheus-client adds `_total`).
 _DRAFTS = "specloop_spec_decode_num_drafts_total"
 _ACCEPTED = "specloop_spec_decode_num_accepted_tokens_total"
@@ -165,7 +167,7 @@ class LiveTau:
     Safe to share between threads: every call takes its own connection from the SQLAlchemy pool."""
 
     def __init__(self, db: Engine) -> None:
-        _metadata.create_all(db)
+        create_tables(_metadata, db)
         self.db = db
 
     def record(self, samples: Iterable[EngineSample]) -> None:

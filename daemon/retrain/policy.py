@@ -70,6 +70,9 @@ class Data(_Section):
     max_traces: PositiveInt | None = 20_000
     min_traces: PositiveInt = 50
     purpose: str = "drafter_training"  # the consent purpose a trace's subject must have granted
+    # A base model with no champion and too few traces of its own trains on the prompts of the base
+    # model with the most traces, answered again by the new target (`bootstrap.py`).
+    bootstrap_from_other_models: bool = True
 
 
 class Training(_Section):

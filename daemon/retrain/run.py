@@ -37,13 +37,14 @@ from mlflow.exceptions import MlflowException
 from consent.registry import ConsentRegistry
 from daemon.retrain import gate as gates
 from daemon.retrain import promotion
+from daemon.retrain.bootstrap import bootstrap
 from daemon.retrain.challenger import RunStopped, train_challenger, train_config
 from daemon.retrain.contest import CHALLENGER, Contest, run_contest
 from daemon.retrain.history import Action, PromotionHistory
 from daemon.retrain.policy import RetrainPolicy
 from daemon.retrain.run_log import Outcome, RunLog
 from daemon.retrain.settings import DaemonSettings
-from daemon.training.sequences import TokenSequence
+from daemon.training.sequences import TokenSequence, digest
 from engine.loaders.load import LoadedModel
 from engine.speculation.drafter_artifact import read_meta
 from storage.dataset import DatasetManifest, build_dataset
@@ -70,11 +71,13 @@ class Loop:
 
 @dataclass(frozen=True)
 class Prepared:
-    manifest: DatasetManifest
+    manifest: DatasetManifest  # of the traces selected (another base model's, when bootstrapped)
     train: list[TokenSequence]
     heldout: list[TokenSequence]
     slice_keys: list[str] | None
     directory: Path
+    dataset_digest: str  # of what is trained on
+    bootstrap_from: str | None = None  # the base model whose prompts this target answered again
 
 
 def new_run_id() -> str:
@@ -155,11 +158,15 @@ class RetrainRun:
                                      since=since, until=self.started, limit=policy.data.max_traces,
                                      eval_fraction=policy.evaluation.heldout_fraction)
         except ValueError as e:  # no trace files yet for this base model
-            return str(e)
-        log.info("run %s: dataset of %d consented traces (%d train, %d held out) from %d files", self.run_id,
-                 manifest.consented_traces, manifest.train_rows, manifest.eval_rows, manifest.source_files)
-        if manifest.train_rows < policy.data.min_traces:
-            return f"{manifest.train_rows} training traces, the policy needs {policy.data.min_traces}"
+            manifest, why = None, str(e)
+        else:
+            log.info("run %s: dataset of %d consented traces (%d train, %d held out) from %d files", self.run_id,
+                     manifest.consented_traces, manifest.train_rows, manifest.eval_rows, manifest.source_files)
+            why = f"{manifest.train_rows} training traces, the policy needs {policy.data.min_traces}"
+        if manifest is None or manifest.train_rows < policy.data.min_traces:
+            if not policy.data.bootstrap_from_other_models or loop.registry.champion(loop.base_model) is not None:
+                return why
+            return self._bootstrapped(snapshot, since) or why
         if manifest.eval_rows < policy.evaluation.min_heldout:
             return f"{manifest.eval_rows} held-out traces, the policy needs {policy.evaluation.min_heldout}"
         train = _sequences(directory / "train.parquet")
@@ -168,7 +175,19 @@ class RetrainRun:
             heldout_table["prompt_token_ids"].to_pylist(), heldout_table["response_token_ids"].to_pylist(),
             strict=True)]
         keys = _slice_keys(heldout_table, policy.evaluation.slices)
-        return Prepared(manifest, train, heldout, keys, directory)
+        return Prepared(manifest, train, heldout, keys, directory, manifest.content_digest)
+
+    def _bootstrapped(self, snapshot: Any, since: datetime | None) -> Prepared | None:
+        """Another base model's prompts answered by this target, when they are enough (else None)."""
+        policy = self.loop.policy
+        boot = bootstrap(self.loop.settings.traces_root, snapshot, self.loop.target, since=since, until=self.started,
+                         limit=policy.data.max_traces, eval_fraction=policy.evaluation.heldout_fraction,
+                         work_dir=self.dir / "bootstrap")
+        if boot is None or len(boot.train) < policy.data.min_traces or len(boot.heldout) < policy.evaluation.min_heldout:
+            return None
+        heldout = boot.heldout[:policy.evaluation.max_heldout]
+        return Prepared(boot.manifest, boot.train, heldout, None, self.dir / "bootstrap" / boot.source,
+                        digest(boot.train), bootstrap_from=boot.source)
 
     def _register(self, prepared: Prepared, contest: Contest, decision: gates.GateDecision, result: Any,
                   champion: DrafterVersion | None) -> DrafterVersion:
@@ -178,17 +197,20 @@ class RetrainRun:
         try:
             params = {**_flat("policy", loop.policy.model_dump(mode="json")), "champion":
                       "none" if champion is None else champion.label, "train_steps": result.steps,
-                      "stop_reason": result.stop_reason, "dataset_digest": prepared.manifest.content_digest}
+                      "stop_reason": result.stop_reason, "dataset_digest": prepared.dataset_digest,
+                      "bootstrap_from": prepared.bootstrap_from or "none"}
             metrics = {**contest.metrics(), "train_seconds": result.seconds, "final_train_loss": result.final_train_loss,
                        **{f"seconds_{k}": v for k, v in self.timings.items()}}
             if result.best_heldout_loss is not None:
                 metrics["best_heldout_loss"] = result.best_heldout_loss
             registry.log_run(mlflow_run, params, metrics, [_dataset_input(prepared)])
             tags = {**tau_tags(contest.tau(CHALLENGER), contest.tau_baseline), Tag.EVAL_SET: contest.eval_set,
-                    Tag.DATASET: prepared.manifest.content_digest, Tag.GATE: decision.verdict.value,
+                    Tag.DATASET: prepared.dataset_digest, Tag.GATE: decision.verdict.value,
                     Tag.GATE_REASON: decision.reason, Tag.RUN: self.run_id}
             if decision.verdict is gates.Verdict.AWAIT_APPROVAL:
                 tags[Tag.APPROVAL] = Approval.PENDING.value
+            if prepared.bootstrap_from is not None:
+                tags[Tag.BOOTSTRAP_FROM] = prepared.bootstrap_from
             version = registry.register(result.artifact, loop.base_model, tags, run_id=mlflow_run)
         except BaseException:
             _end_quietly(registry, mlflow_run, "FAILED")

@@ -16,6 +16,8 @@ from enum import StrEnum
 
 from sqlalchemy import Column, DateTime, Engine, MetaData, String, Table, Text, insert, select, update
 
+from daemon.retrain.state_db import create_tables
+
 _metadata = MetaData()
 _runs = Table(
     "runs", _metadata,
@@ -58,7 +60,7 @@ class RunRecord:
 
 class RunLog:
     def __init__(self, db: Engine) -> None:
-        _metadata.create_all(db)
+        create_tables(_metadata, db)
         self.db = db
 
     def start(self, run_id: str, base_model: str, data_until: datetime) -> None:

@@ -12,8 +12,9 @@ Not here: what any table holds (lease.py, run_log.py, history.py, live_tau.py), 
 
 from pathlib import Path
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, MetaData, create_engine, event
 from sqlalchemy.engine.url import make_url
+from sqlalchemy.exc import OperationalError
 
 _BUSY_TIMEOUT_MS = 10_000
 
@@ -36,3 +37,14 @@ def _sqlite_pragmas(connection, _record) -> None:
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
     cursor.close()
+
+
+def create_tables(metadata: MetaData, db: Engine) -> None:
+    """`metadata`'s tables, created when missing. Two processes (or threads) opening a new database
+    at once both see a table missing and both create it; the loser's "already exists" is success."""
+    try:
+        metadata.create_all(db)
+    except OperationalError as e:
+        if "already exists" not in str(e):
+            raise
+        metadata.create_all(db)  # the other creator may have made only some of the tables

@@ -1,5 +1,6 @@
-"""`specloop up` as `make run` starts it, on its defaults: the real SmolLM2 in bf16, drafting with the
-shipped DFlash drafter (combined with n-gram lookup) that seeded the embedded registry as v1."""
+"""`specloop up` on its defaults (`make run` adds `--demo` traffic): the real SmolLM2 in bf16, drafting
+with the shipped DFlash drafter (combined with n-gram lookup) that seeded the embedded registry as
+v1, with the retraining daemon and the MLflow UI beside it."""
 
 import os
 import signal
@@ -20,9 +21,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 def test_up_drafts_with_the_shipped_drafter_from_its_first_start(tmp_path: Path) -> None:
     env = {**os.environ, "SPECLOOP_DATA_DIR": str(tmp_path / "data"), "SPECLOOP_NUM_SLOTS": "2",
            "SPECLOOP_MAX_LEN": "512"}
-    port, log = free_port(), tmp_path / "up.log"
+    port, mlflow_port, daemon_port, log = free_port(), free_port(), free_port(), tmp_path / "up.log"
     with open(log, "wb") as out:
-        up = subprocess.Popen([str(Path(sys.executable).parent / "specloop"), "up", "--port", str(port)], env=env,
+        up = subprocess.Popen([str(Path(sys.executable).parent / "specloop"), "up", "--port", str(port),
+                               "--mlflow-port", str(mlflow_port), "--daemon-port", str(daemon_port)], env=env,
                               stdout=out, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -39,6 +41,17 @@ def test_up_drafts_with_the_shipped_drafter_from_its_first_start(tmp_path: Path)
         assert r.json()["usage"]["speculation"]["drafts"] > 0
         metrics = httpx.get(f"{url}/metrics").text
         assert 'specloop_spec_decode_num_drafts_total{drafter_version="v1"}' in metrics
+        # The retraining daemon (default policy) and the MLflow UI run beside it.
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                health = httpx.get(f"http://127.0.0.1:{daemon_port}/health").json()
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(1)
+        assert health["status"] == "ok" and health["base_model"] == card["fingerprint"] and health["next_tick"]
+        assert httpx.get(f"http://127.0.0.1:{mlflow_port}/health", timeout=30).status_code == 200
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=90) == 0, log.read_text()[-3000:]
     finally:

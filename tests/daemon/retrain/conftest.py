@@ -38,15 +38,17 @@ cooldown_minutes: 0
 
 
 def store_traces(root: Path, loaded: LoadedModel, consent_id: str, count: int, seed: int = 0,
-                 created_at: datetime | None = None) -> None:
-    """`count` traces whose responses are the target's greedy answers, as the sink stores them."""
+                 created_at: datetime | None = None, base_model: str | None = None) -> None:
+    """`count` traces whose responses are the target's greedy answers, as the sink stores them
+    (stamped with `base_model` instead of the target's fingerprint when given)."""
     rng = random.Random(seed)
     vocab = loaded.model.config.vocab_size
     prompts = [tuple(rng.randrange(vocab) for _ in range(rng.randrange(6, 14))) for _ in range(count)]
     at = created_at or datetime.now(UTC)  # after the consent was granted, before the run starts
-    traces = [_trace(s.prompt, s.response, loaded.fingerprint, consent_id, at) for s in
+    fingerprint = base_model or loaded.fingerprint
+    traces = [_trace(s.prompt, s.response, fingerprint, consent_id, at) for s in
               greedy_outputs(loaded.model, prompts, max_tokens=24)]
-    write_parquet_atomic(hive_dir(root, loaded.fingerprint, trace_day(traces[0])) /
+    write_parquet_atomic(hive_dir(root, fingerprint, trace_day(traces[0])) /
                          sink_file_name("traces", 0, seed * 100_000), to_arrow(traces))
 
 

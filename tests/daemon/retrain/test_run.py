@@ -177,3 +177,30 @@ def test_unfinished_runs_before_register_are_abandoned_on_restart(make_loop: Cal
 def test_registry_unavailable_is_what_a_dead_server_raises() -> None:
     with pytest.raises(RegistryUnavailable):
         DrafterRegistry("http://127.0.0.1:9", timeout_s=1).champion("0" * 16)
+
+
+OLD_MODEL = "0f0f0f0f0f0f0f0f"  # the fingerprint the traffic was served with before the model changed
+
+
+def test_a_new_base_model_bootstraps_from_the_old_models_prompts(make_loop: Callable[..., Loop],
+                                                                 consent_id: str) -> None:
+    loop = make_loop()
+    store_traces(loop.settings.traces_root, loop.target, consent_id, 48, base_model=OLD_MODEL)
+    run_id, outcome = run(loop)
+    record = loop.runs.runs()[-1]
+    assert outcome in (Outcome.PROMOTED, Outcome.REFUSED), record.detail
+    (v,) = loop.registry.versions(loop.base_model)
+    assert v.tags[Tag.BOOTSTRAP_FROM] == OLD_MODEL and v.base_model == loop.base_model
+    assert loop.registry.versions(OLD_MODEL) == []  # the old model's registered model is untouched
+    assert "vs none (n-gram)" in v.tags[Tag.GATE_REASON]
+
+
+def test_no_bootstrap_when_the_policy_says_no_or_a_champion_exists(make_loop: Callable[..., Loop], consent_id: str,
+                                                                   tmp_path: Path) -> None:
+    loop = make_loop(FAST_POLICY.replace("data: {min_traces: 10}",
+                                         "data: {min_traces: 10, bootstrap_from_other_models: false}"))
+    store_traces(loop.settings.traces_root, loop.target, consent_id, 48, base_model=OLD_MODEL)
+    assert run(loop)[1] is Outcome.SKIPPED
+    with_champion = make_loop()
+    seed_champion(with_champion, tmp_path)
+    assert run(with_champion)[1] is Outcome.SKIPPED
