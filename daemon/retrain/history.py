@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 
-from sqlalchemy import Column, DateTime, Engine, Integer, MetaData, String, Table, insert, select
+from sqlalchemy import Column, DateTime, Engine, Integer, MetaData, String, Table, insert
 
-from daemon.retrain.state_db import create_tables
+from daemon.retrain.state_db import create_tables, newest
 
 _metadata = MetaData()
 _events = Table(
@@ -68,15 +68,8 @@ class PromotionHistory:
 
     def events(self, base_model: str | None = None, limit: int | None = None) -> list[Event]:
         """Oldest first; with `limit`, the newest `limit` events."""
-        query = select(_events).order_by(_events.c.id.desc())
-        if base_model is not None:
-            query = query.where(_events.c.base_model == base_model)
-        if limit is not None:
-            query = query.limit(limit)
-        with self.db.connect() as conn:
-            rows = conn.execute(query).all()
         return [Event(_utc(r.at), r.base_model, Action(r.action), r.version, r.previous, r.reason, r.actor, r.run_id)
-                for r in reversed(rows)]
+                for r in newest(self.db, _events, _events.c.id, base_model, limit)]
 
     def last(self, base_model: str, *actions: Action) -> Event | None:
         found = [e for e in self.events(base_model) if not actions or e.action in actions]

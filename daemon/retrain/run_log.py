@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 
-from sqlalchemy import Column, DateTime, Engine, MetaData, String, Table, Text, insert, select, update
+from sqlalchemy import Column, DateTime, Engine, MetaData, String, Table, Text, insert, update
 
-from daemon.retrain.state_db import create_tables
+from daemon.retrain.state_db import create_tables, newest
 
 _metadata = MetaData()
 _runs = Table(
@@ -89,14 +89,7 @@ class RunLog:
 
     def runs(self, base_model: str | None = None, limit: int | None = None) -> list[RunRecord]:
         """Oldest first; with `limit`, the newest `limit` runs."""
-        query = select(_runs).order_by(_runs.c.started_at.desc())
-        if base_model is not None:
-            query = query.where(_runs.c.base_model == base_model)
-        if limit is not None:
-            query = query.limit(limit)
-        with self.db.connect() as conn:
-            rows = conn.execute(query).all()
-        return [_record(r) for r in reversed(rows)]
+        return [_record(r) for r in newest(self.db, _runs, _runs.c.started_at, base_model, limit)]
 
     def last_trained(self, base_model: str) -> RunRecord | None:
         """The newest run that trained a challenger, whatever the gate said."""

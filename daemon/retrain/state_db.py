@@ -12,7 +12,7 @@ Not here: what any table holds (lease.py, run_log.py, history.py, live_tau.py), 
 
 from pathlib import Path
 
-from sqlalchemy import Engine, MetaData, create_engine, event
+from sqlalchemy import Column, Engine, MetaData, Row, Table, create_engine, event, select
 from sqlalchemy.engine.url import make_url
 from sqlalchemy.exc import OperationalError
 
@@ -48,3 +48,14 @@ def create_tables(metadata: MetaData, db: Engine) -> None:
         if "already exists" not in str(e):
             raise
         metadata.create_all(db)  # the other creator may have made only some of the tables
+
+
+def newest(db: Engine, table: Table, order: Column, base_model: str | None, limit: int | None) -> list[Row]:
+    """Rows of `table` (of one base model, or all), the newest `limit` by `order`, oldest first."""
+    query = select(table).order_by(order.desc())
+    if base_model is not None:
+        query = query.where(table.c.base_model == base_model)
+    if limit is not None:
+        query = query.limit(limit)
+    with db.connect() as conn:
+        return list(reversed(conn.execute(query).all()))
