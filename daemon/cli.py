@@ -20,6 +20,7 @@ from daemon.retrain import cli as retrain_cli
 from daemon.traffic import replay
 from daemon.training import build_dataset, generate
 from daemon.training import cli as training_cli
+from engine.loaders import cli as loaders_cli
 from engine.server import cli as engine_cli
 from storage import cli as storage_cli
 
@@ -40,7 +41,8 @@ def _erase_traces(root: Path, tenant: str, subject: str) -> "ErasureResult":
     return erase_subject(root, tenant, subject)
 
 
-for module in (engine_cli, generate, training_cli, build_dataset, storage_cli, stack, retrain_cli, replay):
+for module in (engine_cli, loaders_cli, generate, training_cli, build_dataset, storage_cli, stack, retrain_cli,
+               replay):
     module.register(app)
 consent_cli.register(app, _erase_traces)
 

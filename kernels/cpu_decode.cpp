@@ -1,4 +1,4 @@
-// Small-batch forward passes (bf16 or fp32 weights) of the Llama-family decoder on the CPU, one C++
+// Small-batch forward passes (bf16, fp32 or NVFP4 weights) of the Llama-family decoder on the CPU, one C++
 // call per pass, written once against the vector layer in simd.h and built once per instruction set
 // (AVX-512 BF16, AVX2 + FMA, portable); `kernels/cpu_decode.py` picks the build this CPU can run.
 //
@@ -9,7 +9,8 @@
 // microseconds of dispatch. Here the layer matrices take about 7.3 ms and the glue is plain loops:
 // a bf16 decode step fell from 22-26 ms to 8.5-10.5 ms (AVX-512 BF16).
 //
-// What it is: `linear` (y = x W^T + b for up to a few dozen rows) and `Decoder`, which holds one
+// What it is: `linear` (y = x W^T + b for up to a few dozen rows), `linear_nvfp4` (the same from NVFP4
+// weights, kernels/nvfp4.py, with int8 activations: see "NVFP4 matrix rows") and `Decoder`, which holds one
 // model's weights and runs rows of tokens through every layer against the model's fp32 KV cache.
 // A DFlash drafter's layers are such a model too: `forward(..., block=true)` runs a draft block and
 // `context` writes the keys/values of its context features.
@@ -18,7 +19,8 @@
 //
 // Numerics: products of bf16 weights and bf16-rounded inputs are exact in fp32 and summed in fp32
 // (VDPBF16PS, or a widening shift and FMA); sums, norms, RoPE, softmax and the residual stream are
-// fp32; inputs to each matrix are rounded to bf16 as the eager path does. Every row is computed the
+// fp32; inputs to each matrix are rounded to bf16 as the eager path does (to int8 per 16 values, with
+// an fp32 scale, for NVFP4 matrices, whose block sums are then exact integers). Every row is computed the
 // same way whatever the number of rows, so a token's logits do not depend on what else is in the
 // batch (greedy speculation stays token-identical to plain decoding), on every path.
 
@@ -73,6 +75,13 @@ float exp_scalar(float x) {
 // 9.5 vs 15.9 ms at 8, and about the same (7.0-7.6 ms) at 1 row, where both are bound by memory.
 
 constexpr int64_t TILE = 4;
+
+// NVFP4 tiles: per 4-row tile and 64-column chunk, each row's 32 code bytes, then each row's 4 E4M3
+// block scales, so a tile chunk is one sequential read of 144 bytes (4.5 bits per weight).
+constexpr int64_t FP4_CHUNK = 64, FP4_CODES = FP4_CHUNK / 2, FP4_SCALES = FP4_CHUNK / 16;
+constexpr int64_t FP4_TILE_BYTES = TILE * (FP4_CODES + FP4_SCALES);
+// The kernel's integers are 2 x E2M1 and its scales E4M3 / 256 (simd.h): 256 / 2 brings them back.
+constexpr float FP4_UNIT = 128.f;
 
 // The activations a weight of element type T meets: prepared bf16 for bf16 weights, fp32 for fp32.
 template <typename T>
@@ -134,11 +143,14 @@ void check_matrix(const at::Tensor& t, at::ScalarType dtype, const char* name) {
               name, ": expected a contiguous bf16 or fp32 matrix (the model's dtype) with a multiple of 32 columns");
 }
 
-// A weight packed by `pack`, with its true number of output rows.
+// A weight packed by `pack` (bf16 or fp32) or `pack_nvfp4` (uint8), with its true number of output
+// rows and, for NVFP4, its tensor scale.
 struct Packed {
-  at::Tensor tiles;  // [ceil(out / 4), in / V, 4, V]
+  at::Tensor tiles;  // [ceil(out / 4), in / V, 4, V], or NVFP4 [ceil(out / 4), in / 64, FP4_TILE_BYTES]
   int64_t out = 0;
-  int64_t in() const { return tiles.size(1) * tiles.size(3); }
+  float tensor_scale = 0.f;
+  bool fp4() const { return tiles.scalar_type() == at::kByte; }
+  int64_t in() const { return fp4() ? tiles.size(1) * FP4_CHUNK : tiles.size(1) * tiles.size(3); }
 };
 
 Packed pack_matrix(const at::Tensor& w) {
@@ -150,14 +162,139 @@ Packed pack_matrix(const at::Tensor& w) {
   return {padded.view({tiles, TILE, in / v, v}).transpose(1, 2).contiguous(), out};
 }
 
-// fp32 activations x [M, in] against a packed bf16 or fp32 weight. For bf16 weights x is rounded
-// to bf16 first (into `xb`), where the eager path's activations are bf16 too.
-void matmul(const float* x, const Packed& w, const float* bias, float* y, int64_t M, std::vector<simd::XB>& xb) {
+// ---- NVFP4 matrix rows ------------------------------------------------------------------------
+//
+// Activations meet NVFP4 weights as int8, one fp32 scale per 16 (the weights' block size): x = q s,
+// s = amax / 127, q rounded to nearest even. The relative error this adds to a product is about
+// 2^-9, under the weights' own (SQNR about 20 dB, kernels/nvfp4.py), and it lets the kernel form
+// each 16-element block's sum exactly in integers. Rows are quantized alone, so a token's result
+// does not depend on what else is in its pass.
+
+// Activations of NVFP4 passes: per row and 64-column chunk, 32 even then 32 odd elements as int8, and
+// per lane of simd::fp4_madd (8 elements) its scale ([s0 s0 s1 s1 s2 s2 s3 s3], one per 16 elements)
+// and 12 times its sum (the weights' offset, simd.h).
+struct Quantized {
+  std::vector<int8_t> q;
+  std::vector<float> scales;
+  std::vector<int32_t> offsets;
+};
+
+void prepare_q8(const float* x, int64_t M, int64_t in, Quantized& out) {
+  out.q.resize(M * in);
+  out.scales.resize(M * in / 8);
+  out.offsets.resize(M * in / 8);
+  for (int64_t c = 0; c < M * in / FP4_CHUNK; ++c) {
+    const float* xc = x + c * FP4_CHUNK;
+    int8_t* qc = out.q.data() + c * FP4_CHUNK;
+    for (int64_t b = 0; b < FP4_SCALES; ++b) {
+      float amax = 0.f;
+      for (int64_t i = 16 * b; i < 16 * (b + 1); ++i) amax = std::max(amax, std::fabs(xc[i]));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t lane_sum[2] = {0, 0};
+      for (int64_t i = 16 * b; i < 16 * (b + 1); ++i) {
+        const int8_t q = static_cast<int8_t>(std::nearbyint(xc[i] * inv));
+        qc[i % 2 * FP4_CODES + i / 2] = q;
+        lane_sum[i % 16 / 8] += q;
+      }
+      for (int h = 0; h < 2; ++h) {
+        out.scales[c * 8 + 2 * b + h] = amax / 127.f;
+        out.offsets[c * 8 + 2 * b + h] = 12 * lane_sum[h];
+      }
+    }
+  }
+}
+
+// G rows of quantized activations against one NVFP4 tile: each tile row's chunk is decoded once and
+// serves the G rows. One accumulator per (row, output), summed over the chunks in order, as
+// `tile_rows` does, so each output is formed the same way whatever G is.
+template <int G>
+void fp4_tile_rows(const uint8_t* tile, const int8_t* xq, const float* xs, const int32_t* xo, float* y, int64_t in,
+                   int64_t out, int64_t first, float unit) {
+  simd::Fp4Acc acc[G][TILE];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < TILE; ++j) acc[g][j] = simd::fp4_zero();
+  for (int64_t c = 0; c < in / FP4_CHUNK; ++c) {
+    const uint8_t* wc = tile + c * FP4_TILE_BYTES;
+    if constexpr (simd::PREFETCH > 0)
+      for (int64_t line = 0; line < FP4_TILE_BYTES; line += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(wc) + simd::PREFETCH + line);
+    for (int j = 0; j < TILE; ++j) {
+      const simd::Fp4 w = simd::fp4_decode(wc + j * FP4_CODES, wc + TILE * FP4_CODES + j * FP4_SCALES);
+      for (int g = 0; g < G; ++g)
+        acc[g][j] = simd::fp4_madd(acc[g][j], w, xq + g * in + c * FP4_CHUNK, xs + g * in / 8 + c * 8,
+                                   xo + g * in / 8 + c * 8);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < TILE && first + j < out; ++j) y[g * out + first + j] = simd::fp4_reduce(acc[g][j]) * unit;
+}
+
+void matmul_fp4(const float* x, const Packed& w, const float* bias, float* y, int64_t M, Quantized& xq) {
+  const int64_t in = w.in(), out = w.out, tiles = (out + TILE - 1) / TILE;
+  prepare_q8(x, M, in, xq);
+  const uint8_t* base = w.tiles.data_ptr<uint8_t>();
+  const float unit = w.tensor_scale * FP4_UNIT;
+  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* tile = base + t * (in / FP4_CHUNK) * FP4_TILE_BYTES;
+      for (int64_t m = 0; m < M; m += simd::ROWS) {
+        const int8_t* q = xq.q.data() + m * in;
+        const float* s = xq.scales.data() + m * in / 8;
+        const int32_t* o = xq.offsets.data() + m * in / 8;
+        float* ym = y + m * out;
+        switch (std::min<int64_t>(simd::ROWS, M - m)) {
+          case 4: fp4_tile_rows<4>(tile, q, s, o, ym, in, out, t * TILE, unit); break;
+          case 3: fp4_tile_rows<3>(tile, q, s, o, ym, in, out, t * TILE, unit); break;
+          case 2: fp4_tile_rows<2>(tile, q, s, o, ym, in, out, t * TILE, unit); break;
+          default: fp4_tile_rows<1>(tile, q, s, o, ym, in, out, t * TILE, unit); break;
+        }
+      }
+    }
+    if (bias != nullptr)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t o = t0 * TILE; o < std::min(out, t1 * TILE); ++o) y[m * out + o] += bias[o];
+  });
+}
+
+// NVFP4 codes uint8 [out, in / 2] and E4M3 block scales (as uint8) [out, in / 16] -> tiles.
+Packed pack_fp4_matrix(const at::Tensor& codes, const at::Tensor& scales, double tensor_scale) {
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous() &&
+                  codes.size(1) % FP4_CODES == 0,
+              "codes: expected contiguous uint8 [out, in / 2] with in a multiple of ", FP4_CHUNK);
+  const int64_t out = codes.size(0), chunks = codes.size(1) / FP4_CODES;
+  TORCH_CHECK(scales.scalar_type() == at::kByte && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == out && scales.size(1) == chunks * FP4_SCALES,
+              "block_scale: expected contiguous E4M3 bytes [out, in / 16]");
+  TORCH_CHECK(std::isfinite(tensor_scale) && tensor_scale > 0, "tensor_scale: expected a positive number");
+  const uint8_t* sp = scales.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < scales.numel(); ++i)
+    TORCH_CHECK(sp[i] < 0x7F, "block_scale: E4M3 scales must be non-negative and not NaN");
+  const int64_t tiles = (out + TILE - 1) / TILE;
+  auto padded_codes = at::zeros({tiles * TILE, chunks, FP4_CODES}, codes.options());
+  auto padded_scales = at::zeros({tiles * TILE, chunks, FP4_SCALES}, codes.options());
+  padded_codes.narrow(0, 0, out).copy_(codes.view({out, chunks, FP4_CODES}));
+  padded_scales.narrow(0, 0, out).copy_(scales.view({out, chunks, FP4_SCALES}));
+  // [tiles, chunks, 4 rows x 32 codes | 4 rows x 4 scales]
+  auto c = padded_codes.view({tiles, TILE, chunks, FP4_CODES}).transpose(1, 2).reshape({tiles, chunks, TILE * FP4_CODES});
+  auto s = padded_scales.view({tiles, TILE, chunks, FP4_SCALES}).transpose(1, 2).reshape({tiles, chunks, TILE * FP4_SCALES});
+  return {at::cat({c, s}, 2).contiguous(), out, static_cast<float>(tensor_scale)};
+}
+
+// What a pass keeps of its rounded activations between matrices.
+struct Rounded {
+  std::vector<simd::XB> bf16;
+  Quantized int8;
+};
+
+// fp32 activations x [M, in] against a packed weight. For bf16 weights x is rounded to bf16 first,
+// where the eager path's activations are bf16 too; for NVFP4 weights it is quantized to int8.
+void matmul(const float* x, const Packed& w, const float* bias, float* y, int64_t M, Rounded& r) {
   const int64_t in = w.in();
+  if (w.fp4()) return matmul_fp4(x, w, bias, y, M, r.int8);
   if (w.tiles.scalar_type() == at::kFloat) return matmul_rows(x, w.tiles.data_ptr<float>(), bias, y, M, in, w.out);
-  xb.resize(M * in);
-  simd::prepare_bf16(x, xb.data(), M * in);
-  matmul_rows(xb.data(), reinterpret_cast<const bf16*>(w.tiles.data_ptr()), bias, y, M, in, w.out);
+  r.bf16.resize(M * in);
+  simd::prepare_bf16(x, r.bf16.data(), M * in);
+  matmul_rows(r.bf16.data(), reinterpret_cast<const bf16*>(w.tiles.data_ptr()), bias, y, M, in, w.out);
 }
 
 // ---- the pieces of one layer, all on fp32 rows ------------------------------------------------
@@ -315,13 +452,16 @@ struct Layer {
 // `pack` for Python: the tiles of w [out, in]; `linear` needs them and `out`.
 at::Tensor pack(const at::Tensor& w) { return pack_matrix(w).tiles; }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& tiles, int64_t out, const c10::optional<at::Tensor>& bias) {
-  const Packed w{tiles, out};
-  TORCH_CHECK(tiles.dim() == 4 && tiles.size(2) == TILE && tiles.size(3) * tiles.element_size() == 64 &&
-                  tiles.is_contiguous() && tiles.size(0) == (out + TILE - 1) / TILE,
-              "tiles: expected the output of pack() for a weight with `out` rows");
-  TORCH_CHECK(x.scalar_type() == tiles.scalar_type() && x.size(-1) == w.in(),
-              "x: expected [..., in] in the weight's dtype");
+// `pack_nvfp4` for Python: the tiles of an NVFP4 weight; `linear_nvfp4` needs them, `out` and its tensor scale.
+at::Tensor pack_nvfp4(const at::Tensor& codes, const at::Tensor& block_scale) {
+  return pack_fp4_matrix(codes, block_scale, 1.0).tiles;
+}
+
+namespace {
+
+// y [..., out] = x w^T + b in x's dtype, computed in fp32 against a packed weight.
+at::Tensor apply_packed(const at::Tensor& x, const Packed& w, const c10::optional<at::Tensor>& bias) {
+  const int64_t out = w.out;
   const auto xf = x.to(at::kFloat).contiguous();
   const int64_t M = xf.numel() / w.in();
   at::Tensor b32;
@@ -329,32 +469,70 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& tiles, int64_t out, con
   auto y = at::empty({M, out}, x.options().dtype(at::kFloat));
   {
     pybind11::gil_scoped_release nogil;
-    std::vector<simd::XB> xb;
-    matmul(f32(xf), w, bias.has_value() ? f32(b32) : nullptr, y.data_ptr<float>(), M, xb);
+    Rounded rounded;
+    matmul(f32(xf), w, bias.has_value() ? f32(b32) : nullptr, y.data_ptr<float>(), M, rounded);
   }
   auto shape = x.sizes().vec();
   shape.back() = out;
   return y.to(x.scalar_type()).view(shape);
 }
 
+}  // namespace
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& tiles, int64_t out, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(tiles.dim() == 4 && tiles.size(2) == TILE && tiles.size(3) * tiles.element_size() == 64 &&
+                  tiles.is_contiguous() && tiles.size(0) == (out + TILE - 1) / TILE,
+              "tiles: expected the output of pack() for a weight with `out` rows");
+  const Packed w{tiles, out};
+  TORCH_CHECK(x.scalar_type() == tiles.scalar_type() && x.size(-1) == w.in(),
+              "x: expected [..., in] in the weight's dtype");
+  return apply_packed(x, w, bias);
+}
+
+at::Tensor linear_nvfp4(const at::Tensor& x, const at::Tensor& tiles, int64_t out, double tensor_scale,
+                        const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.dim() == 3 && tiles.size(2) == FP4_TILE_BYTES &&
+                  tiles.is_contiguous() && tiles.size(0) == (out + TILE - 1) / TILE,
+              "tiles: expected the output of pack_nvfp4() for a weight with `out` rows");
+  const Packed w{tiles, out, static_cast<float>(tensor_scale)};
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.size(-1) == w.in(),
+              "x: expected bf16 or fp32 [..., in]");
+  return apply_packed(x, w, bias);
+}
+
 class Decoder {
  public:
+  // `layers`: per layer input norm, qkv, qkv bias, q norm, k norm, o, post norm, gate_up, down; a matrix
+  // is dense in the model's dtype, or NVFP4 codes (uint8 [out, in / 2]) whose block scales (E4M3 as
+  // uint8 [out, in / 16]) and tensor scale (fp32, 0-dim) are that layer's pair in `fp4`, in the order
+  // qkv, o, gate_up, down (8 tensors per layer, empty ones for dense matrices; no list: all dense).
   Decoder(std::vector<std::vector<at::Tensor>> layers, at::Tensor final_norm, at::Tensor rope_cos,
-          at::Tensor rope_sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps)
+          at::Tensor rope_sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+          std::vector<std::vector<at::Tensor>> fp4)
       : final_norm_(final_norm.to(at::kFloat).contiguous()), cos_(rope_cos.contiguous()),
-        sin_(rope_sin.contiguous()), hq_(num_heads), hkv_(num_kv_heads), d_(head_dim), eps_(eps) {
+        sin_(rope_sin.contiguous()), dtype_(final_norm.scalar_type()), hq_(num_heads), hkv_(num_kv_heads),
+        d_(head_dim), eps_(eps) {
     TORCH_CHECK(cos_.scalar_type() == at::kFloat && cos_.size(1) == d_, "rope tables: expected fp32 [T, D]");
     TORCH_CHECK(hq_ % hkv_ == 0, "heads: bad GQA shape");
     TORCH_CHECK(d_ % 16 == 0 && d_ <= 128, "head_dim: the attention tiles take multiples of 16 up to 128");
-    for (auto& t : layers) {
+    TORCH_CHECK(fp4.empty() || fp4.size() == layers.size(), "fp4: expected one list per layer, or none");
+    for (size_t li = 0; li < layers.size(); ++li) {
+      const auto& t = layers[li];
       TORCH_CHECK(t.size() == 9, "a layer is 9 tensors");
+      TORCH_CHECK(fp4.empty() || fp4[li].size() == 8, "fp4: a layer's list is 8 tensors");
       // An empty tensor stands for an absent one (no QKV bias, no QK-norm).
       auto f = [](const at::Tensor& x) { return x.numel() > 0 ? x.to(at::kFloat).contiguous() : at::Tensor(); };
-      for (int i : {1, 5, 7, 8}) check_matrix(t[i], t[1].scalar_type(), "layer matrix");
-      layers_.push_back({f(t[0]), f(t[2]), f(t[3]), f(t[4]), f(t[6]), pack_matrix(t[1]), pack_matrix(t[5]),
-                         pack_matrix(t[7]), pack_matrix(t[8])});
+      auto matrix = [&](int slot, int k) {
+        if (t[slot].scalar_type() != at::kByte) {
+          check_matrix(t[slot], dtype_, "layer matrix");
+          return pack_matrix(t[slot]);
+        }
+        TORCH_CHECK(!fp4.empty() && fp4[li][2 * k + 1].numel() == 1, "fp4: NVFP4 codes without their scales");
+        return pack_fp4_matrix(t[slot], fp4[li][2 * k], fp4[li][2 * k + 1].item<double>());
+      };
+      layers_.push_back({f(t[0]), f(t[2]), f(t[3]), f(t[4]), f(t[6]), matrix(1, 0), matrix(5, 1), matrix(7, 2),
+                         matrix(8, 3)});
     }
-    dtype_ = layers_.at(0).qkv.tiles.scalar_type();
     hidden_ = final_norm_.size(0);
     inter_ = layers_[0].down.in();
     TORCH_CHECK(layers_[0].qkv.out == (hq_ + 2 * hkv_) * d_, "qkv: rows != (Hq + 2 Hkv) D");
@@ -406,7 +584,7 @@ class Decoder {
     TORCH_CHECK(hq_ * d_ % TILE == 0, "q rows: expected a multiple of the tile height");
     const auto xf = x.to(at::kFloat).contiguous();
     std::vector<float> kv(M * 2 * kv_size);
-    std::vector<simd::XB> rounded;
+    Rounded rounded;
     pybind11::gil_scoped_release nogil;
     for (int64_t li = 0; li < (int64_t)layers_.size(); ++li) {
       const Layer& l = layers_[li];
@@ -458,7 +636,7 @@ class Decoder {
 
   struct Scratch {
     std::vector<float> normed, qkv, attn, proj, gate_up, act;
-    std::vector<simd::XB> rounded;
+    Rounded rounded;
     Scratch(int64_t M, int64_t H, int64_t qkv_rows, int64_t q_size, int64_t inter)
         : normed(M * H), qkv(M * qkv_rows), attn(M * q_size), proj(M * H), gate_up(M * 2 * inter), act(M * inter) {}
   };
@@ -543,7 +721,7 @@ class Decoder {
 
   std::vector<Layer> layers_;
   at::Tensor final_norm_, cos_, sin_;
-  at::ScalarType dtype_;
+  at::ScalarType dtype_;  // the model's: of its hidden states, norms and dense matrices
   int64_t hq_, hkv_, d_, hidden_ = 0, inter_ = 0;
   float eps_;
 };
@@ -551,12 +729,20 @@ class Decoder {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("isa") = simd::ISA;  // the instruction set this build runs on (`kernels/cpu_features.py`)
   m.def("pack", &pack, "w [out, in] -> tiles for linear()", pybind11::arg("w"));
+  m.def("pack_nvfp4", &pack_nvfp4, "NVFP4 codes [out, in / 2] and E4M3 scales as uint8 [out, in / 16] -> tiles",
+        pybind11::arg("codes"), pybind11::arg("block_scale"));
+  m.def("linear_nvfp4", &linear_nvfp4, "y = x w^T + b for a few rows, w given as pack_nvfp4(w), out, tensor scale",
+        pybind11::arg("x"), pybind11::arg("tiles"), pybind11::arg("out"), pybind11::arg("tensor_scale"),
+        pybind11::arg("bias") = pybind11::none());
   m.def("linear", &linear, "y = x w^T + b for a few rows, w given as pack(w) and out", pybind11::arg("x"),
         pybind11::arg("tiles"), pybind11::arg("out"), pybind11::arg("bias") = pybind11::none());
   // module_local: every build defines its own `Decoder`, and two builds may be loaded in one process.
   pybind11::class_<Decoder>(m, "Decoder", pybind11::module_local())
       .def(pybind11::init<std::vector<std::vector<at::Tensor>>, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t,
-                          int64_t, double>())
+                          int64_t, double, std::vector<std::vector<at::Tensor>>>(),
+           pybind11::arg("layers"), pybind11::arg("final_norm"), pybind11::arg("rope_cos"), pybind11::arg("rope_sin"),
+           pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"),
+           pybind11::arg("fp4") = std::vector<std::vector<at::Tensor>>())
       .def("forward", &Decoder::forward, pybind11::arg("x"), pybind11::arg("slots"), pybind11::arg("positions"),
            pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("taps"), pybind11::arg("block") = false)
       .def("context", &Decoder::context);

@@ -58,14 +58,23 @@ class NVFP4Weight:
         return self.packed.shape[0], self.packed.shape[1] * 2
 
 
-def quantize(w: torch.Tensor) -> NVFP4Weight:
+def quantize(w: torch.Tensor, tensor_scale: torch.Tensor | None = None) -> NVFP4Weight:
     """NVFP4 of a floating `[N, K]` tensor, K a multiple of 16; computed in float32 (a float64 input
-    is rounded to float32 first)."""
+    is rounded to float32 first).
+
+    `tensor_scale` (a positive 0-dim float32) replaces amax(|w|)/(6 x 448): layers that a runtime
+    fuses into one GEMM (q/k/v, gate/up) must share one, so each is quantized with the scale of
+    their concatenation. A scale below w's own lets block scales reach 448 and values saturate.
+    """
     _check_weight(w)
     w = w.float()
     n, k = w.shape
     blocks = w.reshape(n, k // BLOCK, BLOCK)  # [N, K/16, 16]
-    tensor_scale = _tensor_scale(w)
+    if tensor_scale is None:
+        tensor_scale = _tensor_scale(w)
+    else:
+        _check_tensor_scale(tensor_scale)
+        tensor_scale = tensor_scale.to(w.device)
     block_scale = _block_scales(blocks, tensor_scale)  # [N, K/16]
     scale = (block_scale.float() * tensor_scale)[..., None]  # [N, K/16, 1]
     # A zero scale means an all-zero block (or one too small for E4M3 next to the tensor's largest
@@ -95,6 +104,13 @@ def _check_weight(w: torch.Tensor) -> None:
         raise ValueError(f"w: expected a floating-point tensor, got {w.dtype}")
     if not torch.isfinite(w).all():
         raise ValueError("w: contains NaN or infinity")
+
+
+def _check_tensor_scale(scale: torch.Tensor) -> None:
+    if scale.dtype != torch.float32 or scale.ndim != 0:
+        raise ValueError(f"tensor_scale: expected a 0-dim float32 tensor, got {scale.dtype} {tuple(scale.shape)}")
+    if not (torch.isfinite(scale) and scale > 0):
+        raise ValueError(f"tensor_scale: expected a positive finite value, got {scale.item()}")
 
 
 def _tensor_scale(w: torch.Tensor) -> torch.Tensor:

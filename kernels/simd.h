@@ -22,6 +22,15 @@
 //   madd(acc, w, x)          acc + PART bytes of a weight row times the matching activations (PART / 2
 //                            bf16 weights against as many XB, or PART / 4 fp32 against fp32); the lanes
 //                            a product lands in and the order it is added depend only on its index
+//   Fp4, Fp4Acc              one row's 64 NVFP4 weights of a tile chunk, decoded; an accumulator of 8
+//                            fp32 lanes for them (simd_fp4_x86.h says how x86 does it)
+//   fp4_decode(codes, s)     32 code bytes (even elements in the low nibbles) and 4 E4M3 block scales
+//                            -> Fp4: values as 12 + 2 x E2M1 integers, scales as E4M3 / 256
+//   fp4_madd(acc, w, xq, xs, xo)  acc + the row's 64 products with int8 activations xq [32 evens | 32
+//                            odds] of activation scales xs [8] (lane l: block l / 2), xo [8] 12 times
+//                            each lane's activation sum: lane l adds the exact integer sum over
+//                            elements 8 l .. 8 l + 7 (offset removed) times w's scale times xs[l]
+//   fp4_zero, fp4_reduce     an empty accumulator; the sum of its lanes, by a fixed tree
 //
 // What stays the same on every path: products of bf16 weights and bf16-rounded activations are exact
 // in fp32 and summed in fp32; each output is summed by one fixed order whatever the number of rows,

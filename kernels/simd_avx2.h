@@ -10,6 +10,8 @@
 
 #include <immintrin.h>
 
+#include "simd_fp4_x86.h"
+
 namespace simd {
 
 constexpr const char* ISA = "avx2";

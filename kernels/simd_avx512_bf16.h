@@ -1,9 +1,12 @@
 // The AVX-512 BF16 path of the kernels' vector layer (contract in simd.h): 16 fp32 lanes, bf16
-// products by VDPBF16PS. Built with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mfma.
+// products by VDPBF16PS. Built with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mfma -mf16c
+// (F16C for the NVFP4 scales, simd_fp4_x86.h).
 
 #pragma once
 
 #include <immintrin.h>
+
+#include "simd_fp4_x86.h"
 
 namespace simd {
 

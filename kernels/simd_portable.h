@@ -64,4 +64,50 @@ inline Vec madd(Vec acc, const float* w, const float* x) {
   return acc;
 }
 
+// NVFP4 as on x86 (simd_fp4_x86.h): codes as 12 + 2 x E2M1 in [evens | odds] order, exact integer sums
+// per lane of 8 elements less the activations' share of the offset, one multiply-add per lane by
+// block scale x activation scale.
+struct Fp4 {
+  uint8_t even[32], odd[32];  // 12 + 2 x E2M1 of elements 2 i and 2 i + 1
+  float scale[W];             // lane l: the scale / 256 of block l / 2
+};
+struct Fp4Acc {
+  float v[W];
+};
+
+inline Fp4Acc fp4_zero() { return {}; }
+
+// E4M3 (sign 0) / 256 = the fp16 number with E4M3's bits shifted left by 7: 2^(e - 15) (1 + m / 8), or
+// 2^-14 m / 8 for e = 0.
+inline float e4m3_over_256(uint8_t b) {
+  const int e = b >> 3, m = b & 7;
+  return e ? std::ldexp(1.0f + m / 8.0f, e - 15) : std::ldexp(m / 8.0f, -14);
+}
+
+inline Fp4 fp4_decode(const uint8_t* codes, const uint8_t* scales) {
+  static constexpr uint8_t table[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+  Fp4 w;
+  for (int i = 0; i < 32; ++i) {
+    w.even[i] = table[codes[i] & 0xF];
+    w.odd[i] = table[codes[i] >> 4];
+  }
+  for (int l = 0; l < W; ++l) w.scale[l] = e4m3_over_256(scales[l / 2]);
+  return w;
+}
+
+inline Fp4Acc fp4_madd(Fp4Acc acc, const Fp4& w, const int8_t* xq, const float* xs, const int32_t* xo) {
+  for (int l = 0; l < W; ++l) {
+    int32_t s = -xo[l];
+    for (int i = 4 * l; i < 4 * l + 4; ++i) s += w.even[i] * xq[i] + w.odd[i] * xq[32 + i];
+    acc.v[l] += static_cast<float>(s) * (w.scale[l] * xs[l]);
+  }
+  return acc;
+}
+
+inline float fp4_reduce(Fp4Acc x) {
+  Vec v;
+  std::memcpy(v.v, x.v, sizeof(v.v));
+  return reduce(v);
+}
+
 }  // namespace simd

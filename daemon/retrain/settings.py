@@ -5,7 +5,9 @@ variables and `specloop daemon` options, validated once.
 engines follow), `SPECLOOP_TRACES_ROOT` (the sink's Parquet root), `SPECLOOP_CONSENT_DB` (the consent
 registry), `SPECLOOP_DAEMON_STATE_DB` (its own database: lease, run log, history, job store, live τ),
 `SPECLOOP_DAEMON_ENGINES` (engine base URLs, comma-separated, whose /metrics give live τ),
-`SPECLOOP_MODEL` (the target, as the engines serve it), `SPECLOOP_DAEMON_WORK_DIR` (datasets and
+`SPECLOOP_MODEL`, `SPECLOOP_WEIGHTS` and `SPECLOOP_NVFP4_LM_HEAD` (the target, as the engines serve it:
+the same variables the server reads, so an NVFP4 engine's drafters are trained on the NVFP4 target,
+whose fingerprint they carry), `SPECLOOP_DAEMON_WORK_DIR` (datasets and
 challengers of each run), `SPECLOOP_DAEMON_HOST`/`_PORT` (its /health and /metrics),
 `SPECLOOP_DAEMON_WATCH_S` (how often it reads live τ) and `SPECLOOP_DAEMON_PLOT` (a PNG of live τ).
 
@@ -13,7 +15,7 @@ Not here: the policy itself (`policy.py`: when and how to retrain), the engine's
 """
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -35,6 +37,8 @@ class DaemonSettings(BaseSettings):
     engines: Annotated[list[str], NoDecode] = Field(default_factory=list,
                                                     validation_alias=_env("engines", "SPECLOOP_DAEMON_ENGINES"))
     model: str | None = Field(None, validation_alias=_env("model", "SPECLOOP_MODEL"))
+    weights: Literal["dense", "nvfp4"] = Field("dense", validation_alias=_env("weights", "SPECLOOP_WEIGHTS"))
+    nvfp4_lm_head: bool = Field(False, validation_alias=_env("nvfp4_lm_head", "SPECLOOP_NVFP4_LM_HEAD"))
     work_dir: Path = Field(Path("data/daemon/runs"), validation_alias=_env("work_dir", "SPECLOOP_DAEMON_WORK_DIR"))
     host: str = Field("127.0.0.1", validation_alias=_env("host", "SPECLOOP_DAEMON_HOST"))
     port: int = Field(8100, ge=0, le=65535, validation_alias=_env("port", "SPECLOOP_DAEMON_PORT"))

@@ -26,6 +26,7 @@ import torch
 from engine.model.config import ModelConfig
 from engine.runtime.kv_cache import AttnBatch, KVCache
 from kernels.cpu_decode import load
+from kernels.nvfp4 import NVFP4Weight
 
 # Passes the kernel takes: up to MAX_ROWS rows of any shape, and one-token decode steps of up to
 # MAX_DECODE_ROWS sequences. Above that oneDNN's GEMM, which reuses each weight across many rows,
@@ -33,6 +34,17 @@ from kernels.cpu_decode import load
 # over many separate contexts is slow.
 MAX_ROWS = 16
 MAX_DECODE_ROWS = 64
+FP4_CHUNK = 64  # NVFP4 matrices reach the kernel in chunks of 64 inputs (kernels/cpu_decode.cpp)
+_MATRICES = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # a layer's, in the kernel's order
+
+
+def _matrix(module: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """What the kernel's `Decoder` takes for one matrix: the dense weight, or NVFP4 codes with
+    (block scales as bytes, tensor scale); see `kernels/cpu_decode.cpp`."""
+    q: NVFP4Weight | None = getattr(module, "q", None)
+    if q is None:
+        return module.weight, [torch.empty(0), torch.empty(0)]
+    return q.packed, [q.block_scale.view(torch.uint8), q.tensor_scale]
 
 
 class FusedDecoder:
@@ -41,16 +53,19 @@ class FusedDecoder:
     def __init__(self, kernel: object, model: torch.nn.Module) -> None:
         c = model.config
         empty = torch.empty(0)
-        layers = []
+        layers, fp4 = [], []
         for layer in model.layers:
             a = layer.attn
+            (qkv, qkv4), (o, o4), (gate_up, gate_up4), (down, down4) = (
+                _matrix(layer.get_submodule(name)) for name in _MATRICES)
             layers.append([
-                layer.input_norm.weight, a.qkv.weight, a.qkv.bias if a.qkv.bias is not None else empty,
+                layer.input_norm.weight, qkv, a.qkv.bias if a.qkv.bias is not None else empty,
                 a.q_norm.weight if a.q_norm is not None else empty, a.k_norm.weight if a.k_norm is not None else empty,
-                a.o.weight, layer.post_norm.weight, layer.mlp.gate_up.weight, layer.mlp.down.weight,
+                o, layer.post_norm.weight, gate_up, down,
             ])
+            fp4.append(qkv4 + o4 + gate_up4 + down4)
         self.decoder = kernel.Decoder(layers, model.norm.weight, model.rope_cos.float(), model.rope_sin.float(),
-                                      c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps)
+                                      c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, fp4)
         self.isa = kernel.isa  # the build it runs on (kernels/cpu_features.py)
 
     @staticmethod
@@ -113,8 +128,10 @@ def shape_fits(c: ModelConfig, device: torch.device, dtype: torch.dtype) -> bool
 
 
 def supports(model: torch.nn.Module) -> bool:
-    """Whether the kernel can run this model (`shape_fits`)."""
-    return shape_fits(model.config, model.device, model.dtype)
+    """Whether the kernel can run this model (`shape_fits`, and NVFP4 matrices in chunks of 64 inputs)."""
+    nvfp4_fits = all(layer.get_submodule(name).q.shape[1] % FP4_CHUNK == 0 for layer in model.layers
+                     for name in _MATRICES if hasattr(layer.get_submodule(name), "q"))
+    return shape_fits(model.config, model.device, model.dtype) and nvfp4_fits
 
 
 def fused_drafter(drafter: torch.nn.Module) -> FusedDrafter | None:

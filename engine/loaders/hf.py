@@ -7,6 +7,14 @@ listed in `model.safetensors.index.json`; `tokenizer.json`; the chat template in
 
 Weights stay in the dtype the files store (cast once, in `load.py`). PyTorch pickles
 (`pytorch_model.bin`) are refused: loading them runs arbitrary code.
+
+An NVFP4 checkpoint (either layout of `nvfp4_checkpoint.py`, declared by config.json's
+`quantization_config` or ModelOpt's `hf_quant_config.json`) is read into an NVFP4 `StoredModel`, with
+the lineage `specloop quantize` records under config.json's `specloop` key. Any other quantization is
+refused.
+
+The inverse, for writers of a directory these functions read back: `hf_config` (config.json of a
+`ModelConfig`), `write_hf_tokenizer` and `write_json`.
 """
 
 import json
@@ -17,18 +25,28 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer as BackendTokenizer
 
-from engine.loaders.stored_model import StoredModel
+from engine.loaders.nvfp4_checkpoint import detect_layout, from_tensors
+from engine.loaders.stored_model import StoredModel, nvfp4_stored_model
 from engine.model.config import ModelConfig
 from engine.model.fingerprint import weights_digest
 from engine.model.tokenizer import Tokenizer
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+_ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def read_hf_dir(path: Path) -> StoredModel:
-    config = ModelConfig.from_hf(_read_json(path / "config.json"))
+    raw = _read_json(path / "config.json")
+    config = ModelConfig.from_hf(raw)
     weights = read_safetensors(path)
     tokenizer = read_hf_tokenizer(path, config)
+    quant_file = path / "hf_quant_config.json"
+    layout = detect_layout(raw, _read_json(quant_file) if quant_file.is_file() else None)
+    if layout is not None:
+        quantized, dense = from_tensors(weights, layout)
+        lineage = raw.get("specloop") or {}
+        return nvfp4_stored_model(config, dense, quantized, tokenizer, path.resolve().name,
+                                  lineage.get("source_fingerprint"))
     digest = weights_digest((name, str(t.dtype), tuple(t.shape), t.contiguous().view(torch.uint8).numpy())
                             for name, t in weights.items())
     return StoredModel(config, weights, tokenizer, digest, path.resolve().name)
@@ -95,3 +113,42 @@ def _eos_ids(path: Path, config: ModelConfig, backend: BackendTokenizer, eos_tex
     if eos_text is not None and (eos_id := backend.token_to_id(eos_text)) is not None:
         ids.append(eos_id)
     return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def hf_config(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
+    """A Hugging Face config.json for `config`, with weights stored in `dtype`: what
+    `ModelConfig.from_hf` reads back as `config`, and what transformers and vLLM need besides."""
+    rope = config.rope_scaling
+    d = {
+        "architectures": [_ARCH_CLASSES[config.arch]], "model_type": config.arch, "hidden_act": "silu",
+        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim, "max_position_embeddings": config.max_position,
+        "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
+        "rope_scaling": None if rope is None else {
+            "rope_type": rope.kind, "factor": rope.factor, "original_max_position_embeddings": rope.original_max_position,
+            "low_freq_factor": rope.low_freq_factor, "high_freq_factor": rope.high_freq_factor,
+            "beta_fast": rope.beta_fast, "beta_slow": rope.beta_slow},
+        "tie_word_embeddings": config.tie_word_embeddings, "attention_bias": config.attention_bias,
+        "bos_token_id": config.bos_token_id, "eos_token_id": list(config.eos_token_ids),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    assert ModelConfig.from_hf(d) == config, "config.json would not read back as the config it was written from"
+    return d
+
+
+def write_hf_tokenizer(path: Path, tokenizer: Tokenizer) -> None:
+    """tokenizer.json, tokenizer_config.json (special tokens, chat template) and generation_config.json
+    (stop ids), so that `read_hf_tokenizer` reads back an equal tokenizer."""
+    tokenizer.backend.save(str(path / "tokenizer.json"))
+    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", **tokenizer.special_tokens}
+    if tokenizer.chat_template is not None:
+        tok_config["chat_template"] = tokenizer.chat_template
+    write_json(path / "tokenizer_config.json", tok_config)
+    write_json(path / "generation_config.json", {"eos_token_id": list(tokenizer.eos_token_ids)})
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """JSON as `save_pretrained` writes it: indented, UTF-8 unescaped."""
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")

@@ -15,6 +15,13 @@ sha256 over four canonical parts:
 A different GGUF quantization of the same model is a different model here, on purpose: it has
 different logits, so a drafter fitted to one is not known to suit the other.
 
+An NVFP4 model (quantized on load, or read from a checkpoint in either layout) hashes its weights
+canonically instead of as stored (`nvfp4_weights_digest`): each quantized weight as its packed codes,
+E4M3 block scales and tensor scale in our convention (amax/(6 x 448); compressed-tensors stores the
+inverse), every other tensor as float32. Quantizing a model on load and loading the checkpoint
+`specloop quantize` wrote from it serve the same weights and logits, so they get one fingerprint and
+their drafters pool; that fingerprint differs from the source's, which the lineage records.
+
 This file does not read files; loaders pass it what they read.
 """
 
@@ -24,12 +31,15 @@ import json
 from collections.abc import Iterable
 
 import numpy as np
+import torch
 
 from engine.model.config import ModelConfig
 from engine.model.tokenizer import Tokenizer
+from kernels.nvfp4 import NVFP4Weight
 
 FINGERPRINT_HEX_CHARS = 16
 _VERSION = b"specloop-fingerprint-v1\0"
+_NVFP4_VERSION = b"specloop-nvfp4-weights-v1\0"
 
 StoredTensor = tuple[str, str, tuple[int, ...], np.ndarray]  # name, stored dtype, shape, raw data
 
@@ -42,6 +52,22 @@ def weights_digest(tensors: Iterable[StoredTensor]) -> str:
         h.update(len(header).to_bytes(8, "little") + header)
         h.update(memoryview(np.ascontiguousarray(data)).cast("B"))
     return h.hexdigest()
+
+
+def nvfp4_weights_digest(dense: dict[str, torch.Tensor], quantized: dict[str, NVFP4Weight]) -> str:
+    """sha256 hex over an NVFP4 model's weights by Hugging Face name: `quantized` as (packed codes,
+    block scales, tensor scale), `dense` (every other tensor, none of `quantized`) as float32."""
+    both = sorted(dense.keys() & quantized.keys())
+    assert not both, f"tensors both dense and quantized: {both[:5]}"
+    tensors = [(name, "float32", tuple(t.shape), _bytes(t.float())) for name, t in dense.items()]
+    for name, q in quantized.items():
+        data = np.concatenate([_bytes(p) for p in (q.packed, q.block_scale, q.tensor_scale)])
+        tensors.append((name, "nvfp4", q.shape, data))
+    return hashlib.sha256(_NVFP4_VERSION + weights_digest(tensors).encode()).hexdigest()
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def tokenizer_digest(tokenizer: Tokenizer) -> str:

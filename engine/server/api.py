@@ -100,7 +100,7 @@ def build_app(loaded: LoadedModel, engine: LLMEngine, settings: ServerSettings,
     closers, companions = tuple(on_shutdown), tuple(companions)
     ctx = ServingContext(engine=engine, tokenizer=loaded.tokenizer, metrics=metrics,
                          model=settings.served_model_name or loaded.name, fingerprint=loaded.fingerprint,
-                         on_finish=on_finish)
+                         on_finish=on_finish, weights=loaded.weights, quantized_from=loaded.source_fingerprint)
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
@@ -242,7 +242,8 @@ def _openai_router(ctx: ServingContext) -> APIRouter:
     @router.get("/models")
     async def models() -> ModelList:
         card = ModelCard(id=ctx.model, created=created, fingerprint=ctx.fingerprint,
-                         max_model_len=ctx.engine.config.max_len, drafter_version=ctx.engine.drafter_version)
+                         max_model_len=ctx.engine.config.max_len, drafter_version=ctx.engine.drafter_version,
+                         weights=ctx.weights, quantized_from=ctx.quantized_from)
         return ModelList(data=[card])
 
     @router.post("/completions", response_model=None)

@@ -49,6 +49,12 @@ def serve(
     served_model_name: Annotated[str | None, typer.Option(help="Model id for clients (default: its name)")] = None,
     dtype: Annotated[str | None, typer.Option(help="float32 or bfloat16 (default: bfloat16)")] = None,
     device: Annotated[str | None, typer.Option(help="auto, cpu, cuda, cuda:N (default: auto)")] = None,
+    weights: Annotated[str | None, typer.Option(
+        help="dense, or nvfp4: serve the projections from NVFP4 weights, quantized on load or read from an NVFP4 "
+             "checkpoint (default: dense)")] = None,
+    nvfp4_lm_head: Annotated[bool | None, typer.Option(
+        "--nvfp4-lm-head/--no-nvfp4-lm-head", help="With --weights nvfp4, quantize the LM head too (default: off)")]
+    = None,
     num_slots: Annotated[int | None, typer.Option(help="Concurrent sequences (KV-cache slots) (default: 8)")] = None,
     max_len: Annotated[int | None, typer.Option(help="Context length per sequence (default: 2048)")] = None,
     drafter: Annotated[Path | None, typer.Option(help="DFlash drafter artifact directory")] = None,
@@ -103,7 +109,8 @@ def build_server(settings: ServerSettings) -> tuple["FastAPI", "LoadedModel"]:
     log.info("loading %s as %s on %s", settings.model or "the default SmolLM2 GGUF", settings.dtype, device)
 
     def load() -> tuple["LoadedModel", "LLMEngine"]:
-        loaded = load_for_inference(settings.model, dtype, device)
+        loaded = load_for_inference(settings.model, dtype, device, weights=settings.weights,
+                                    nvfp4_lm_head=settings.nvfp4_lm_head)
         proposer, version = _proposer(settings, loaded)
         engine = LLMEngine(loaded.model, settings.engine_config(), loaded.tokenizer.eos_token_ids, proposer, thread,
                            drafter_version=version)

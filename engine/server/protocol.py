@@ -220,6 +220,8 @@ class ModelCard(BaseModel):
     fingerprint: str  # extension: docs/architecture.md, "Base-model fingerprint"
     max_model_len: int
     drafter_version: str | None = None  # extension: the drafter new requests draft with (None: none learned)
+    weights: Literal["dense", "nvfp4"] = "dense"  # extension: how the served linear layers hold their weights
+    quantized_from: str | None = None  # extension: the fingerprint of the model an NVFP4 one was quantized from
 
 
 class ModelList(BaseModel):

@@ -66,6 +66,8 @@ class ServingContext:
     model: str
     fingerprint: str
     on_finish: FinishHook | None = None
+    weights: str = "dense"  # "nvfp4" when the projections are served from NVFP4 weights
+    quantized_from: str | None = None  # the source model's fingerprint, for an NVFP4 model
 
 
 @dataclass

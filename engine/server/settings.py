@@ -32,6 +32,11 @@ class ServerSettings(BaseSettings):
     # twice the bytes per token), benchmarks/engine_throughput.py; every CPU runs it (engine/cpu/linear.py).
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     device: str = "auto"  # "auto" = cuda when available, else cpu
+    # "nvfp4": the projections served from NVFP4 weights (kernels/nvfp4.py), quantized on load from a
+    # dense model or read from an NVFP4 checkpoint (compressed-tensors or ModelOpt); "dense": as stored.
+    # An NVFP4 model is another base model (its own fingerprint), so drafters are trained for it apart.
+    weights: Literal["dense", "nvfp4"] = "dense"
+    nvfp4_lm_head: bool = False  # with weights "nvfp4", quantize the LM head too (the embedding stays dense)
     num_slots: int = Field(8, ge=1)
     max_len: int = Field(2048, ge=2)
     max_prefill_tokens: int = Field(2048, ge=1)

@@ -196,6 +196,39 @@ def test_sqnr_on_gaussian_weights(gaussian: torch.Tensor) -> None:
     assert sqnr >= 19.0, f"SQNR {sqnr:.2f} dB"
 
 
+def test_a_shared_tensor_scale_quantizes_rows_as_their_concatenation_does(gaussian: torch.Tensor) -> None:
+    # q/k/v quantized one by one with the scale of their concatenation give the bytes of the fused layer.
+    q, k = gaussian[:128], gaussian[128:] * 0.25
+    shared = quantize(torch.cat([q, k])).tensor_scale
+    parts = [quantize(w, tensor_scale=shared) for w in (q, k)]
+    fused = quantize(torch.cat([q, k]))
+    assert all(p.tensor_scale is shared for p in parts)
+    assert torch.equal(torch.cat([p.packed for p in parts]), fused.packed)
+    assert torch.equal(torch.cat([p.block_scale.view(torch.uint8) for p in parts]), fused.block_scale.view(torch.uint8))
+    # The smaller half no longer reaches block scale 448, and its own default scale gives other bytes.
+    assert parts[1].block_scale.float().max() < 448 / 2
+    assert not torch.equal(quantize(k).packed, parts[1].packed)
+
+
+def test_the_default_tensor_scale_given_explicitly_changes_nothing(gaussian: torch.Tensor) -> None:
+    q = quantize(gaussian)
+    again = quantize(gaussian, tensor_scale=q.tensor_scale.clone())
+    assert torch.equal(again.packed, q.packed)
+    assert torch.equal(again.block_scale.view(torch.uint8), q.block_scale.view(torch.uint8))
+
+
+@pytest.mark.parametrize(("scale", "message"), [
+    (torch.tensor([1.0]), "tensor_scale: expected a 0-dim float32"),
+    (torch.tensor(1.0, dtype=torch.float64), "tensor_scale: expected a 0-dim float32"),
+    (torch.tensor(0.0), "tensor_scale: expected a positive finite"),
+    (torch.tensor(-1.0), "tensor_scale: expected a positive finite"),
+    (torch.tensor(float("inf")), "tensor_scale: expected a positive finite"),
+])
+def test_quantize_refuses_a_bad_tensor_scale(scale: torch.Tensor, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        quantize(torch.ones(1, 16), tensor_scale=scale)
+
+
 def test_swizzle_offsets_of_a_128_by_8_tile_pair() -> None:
     s = torch.arange(128 * 8, dtype=torch.float32).reshape(128, 8)  # [R, C], s[r, c] = 8r + c
     flat = swizzle_scales(s)
