@@ -5,6 +5,12 @@ target's mean token embedding) or loads the `--init-from` artifact, then widens 
 vocabulary to the new data (`widen_vocab`) and gives it the depth and block size asked for
 (`reconfigure`), keeping every learned weight and the drafter's outputs.
 
+A warm start may come from a drafter of another base model whose shape the target has (the dense
+model an NVFP4 one was quantized from, a fine-tune's parent). Its weights are only where training
+starts: the run trains on this target's taps and answers and the artifact is this target's, as the
+daemon's bootstrap (`daemon/retrain/bootstrap.py`) trains a new base model's first drafter on its
+own answers to another model's prompts. The artifact's lineage names the parent's base model.
+
 Not here: the drafter's layers (`engine/speculation/dflash.py`), the artifact's files
 (`engine/speculation/drafter_artifact.py`), resuming a stopped run (`checkpoint.py`).
 """
@@ -20,12 +26,17 @@ from engine.speculation.dflash import DFlashConfig, DFlashDrafter
 from engine.speculation.drafter_artifact import load_drafter
 
 
-def build_drafter(cfg: TrainConfig, target: Transformer, fingerprint: str, train: list[TokenSequence]) -> DFlashDrafter:
+def build_drafter(cfg: TrainConfig, target: Transformer, train: list[TokenSequence]) -> DFlashDrafter:
     """A fresh drafter for `target`, or the warm-start artifact's drafter (its trimmed vocabulary
     widened to the new responses' tokens when `trim_vocab`, reshaped by `reconfigure`)."""
     vocab = sorted({t for s in train for t in s.response}) if cfg.trim_vocab else None
     if cfg.init_from:
-        drafter = load_drafter(cfg.init_from, fingerprint).drafter
+        # No fingerprint check (see above); a drafter of another model must still fit the target's shape.
+        drafter = load_drafter(cfg.init_from, None).drafter
+        try:
+            drafter.config.check_target(target.config)
+        except ValueError as e:
+            raise ValueError(f"init_from {cfg.init_from}: {e}") from e
         drafter = widen_vocab(drafter, vocab) if vocab is not None and drafter.trimmed else drafter
         return reconfigure(drafter, cfg)
     shape = {"num_layers": cfg.num_layers, "num_taps": cfg.num_taps, "block_size": cfg.block_size}

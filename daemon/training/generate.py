@@ -10,8 +10,9 @@ prompts never appear in training data. Answers are appended chunk by chunk, so a
 (hours over the evals corpus) keeps what it finished when stopped, and `--resume` skips the
 prompts already answered. `--skip-answered-in` skips prompts an earlier round's data already holds:
 sampling evals again with a new seed drew 1,936 prompts of 5,120 that earlier rounds had answered
-(its small tasks have few prompts), and greedy answers to them would only repeat those rounds'. This
-file holds only the command and its wiring.
+(its small tasks have few prompts), and greedy answers to them would only repeat those rounds'.
+`--weights nvfp4` answers with the NVFP4 target (another base model: `stats.json` records its
+fingerprint and the one it was quantized from). This file holds only the command and its wiring.
 """
 
 import logging
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
+
+from daemon.training.cli import NVFP4_LM_HEAD_OPTION, WEIGHTS_OPTION, Weights
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,8 @@ def generate(
     max_len: Annotated[int, typer.Option(help="Context length; longer prompts are skipped")] = 1536,
     model: Annotated[str | None, typer.Option(help="HF directory or .gguf (default: SmolLM2 GGUF)")] = None,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16")] = "bfloat16",
+    weights: Annotated[Weights, WEIGHTS_OPTION] = "dense",
+    nvfp4_lm_head: Annotated[bool, NVFP4_LM_HEAD_OPTION] = False,
     seed: Annotated[int, typer.Option(help="Prompt sampling seed")] = 0,
     chunk: Annotated[int, typer.Option(help="Prompts answered between appends to the output files")] = 512,
     resume: Annotated[bool, typer.Option(help="Keep existing output files and skip prompts already answered")] = False,
@@ -67,7 +72,10 @@ def generate(
         answered_before = {s.prompt for s in read_sequences(skip_answered_in or [])}
     except ValueError as e:
         raise typer.BadParameter(f"--skip-answered-in: {e}") from e
-    loaded = load_for_inference(model, getattr(torch, dtype), resolve_device())
+    try:
+        loaded = load_for_inference(model, getattr(torch, dtype), resolve_device(), weights, nvfp4_lm_head)
+    except ValueError as e:  # an NVFP4 LM head without NVFP4 weights, a checkpoint without one
+        raise typer.BadParameter(str(e)) from e
     max_len = min(max_len, loaded.model.config.max_position)
     if source == "humaneval":
         prompts = humaneval_prompts()
@@ -106,7 +114,8 @@ def generate(
     stats = {"source": source, "prompts": sum(counts), "train": counts[0], "heldout": counts[1],
              "skipped_already_answered": skipped, "response_tokens": tokens, "seconds": round(seconds, 1),
              "tokens_per_second": round(tokens / max(seconds, 1e-9), 1), "concurrency": concurrency,
-             "dtype": dtype, "base_model": loaded.fingerprint,
+             "dtype": dtype, "weights": loaded.weights, "nvfp4_lm_head": nvfp4_lm_head,
+             "base_model": loaded.fingerprint, "source_base_model": loaded.source_fingerprint,
              "digest": digest(read_sequences(files))}
     (out / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
     typer.echo(json.dumps(stats))

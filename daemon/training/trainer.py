@@ -47,7 +47,7 @@ from daemon.training.optimizer_step import OptimizerStep
 from daemon.training.sequences import TokenSequence
 from daemon.training.target_features import TargetFeatures
 from engine.model.transformer import Transformer
-from engine.speculation.drafter_artifact import Lineage, save_drafter
+from engine.speculation.drafter_artifact import Lineage, read_meta, save_drafter
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,9 @@ class Trainer:
         self.train_set, self.heldout, self.data_digest = split_sequences(sequences, cfg)
         self.cfg, self.target, self.fingerprint = cfg, target.eval().requires_grad_(False), fingerprint
         self.device = target.device
-        self.drafter = build_drafter(cfg, target, fingerprint, self.train_set).to(self.device).float()
+        self.drafter = build_drafter(cfg, target, self.train_set).to(self.device).float()
+        # The warm start's base model: this target's, or the one it was trained for (`drafter_init.py`).
+        self.parent_base_model = read_meta(cfg.init_from)["base_model_fingerprint"] if cfg.init_from else None
         if cfg.max_seq_len <= self.drafter.config.block_size:
             raise ValueError(f"max_seq_len must exceed the block size {self.drafter.config.block_size}, "
                              f"got {cfg.max_seq_len}")
@@ -163,7 +165,8 @@ class Trainer:
         lineage = Lineage(self.data_digest, self.step, self.cfg.seed, {
             "train_sequences": len(self.train_set), "heldout_sequences": len(self.heldout),
             "train_response_tokens": train_tokens, "best_heldout_loss": stopping.best_loss,
-            "warm_start": self.cfg.init_from, "seconds": round(self.elapsed, 1), "stop_reason": reason,
+            "warm_start": self.cfg.init_from, "warm_start_base_model": self.parent_base_model,
+            "seconds": round(self.elapsed, 1), "stop_reason": reason,
         })
         path = save_drafter(self.out, self.drafter, self.fingerprint, lineage)
         log.info("process %d of %d: wrote the drafter artifact %s", distributed.rank(), distributed.world_size(), path)

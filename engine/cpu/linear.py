@@ -36,8 +36,9 @@ and on the same CPU unforced, oneDNN's emulated bf16 at 512 rows took 30.6 ms on
 NVFP4 layers (`engine/model/nvfp4_linear.py`) become `CpuNvfp4Linear`s: passes of up to `FP4_ROWS`
 rows go to the kernel's NVFP4 tiles (4.5 bits per weight, int8 activations); larger ones to a
 `CpuLinear` of the dequantized weight. Measured on a Xeon Ice Lake (AVX2 build, 2 threads, the 120
-layer matrices of SmolLM2 shaped as random weights, other work on the machine): 6.8 ms at one row
-against 17.8 ms for bf16, 16.8 against 23.1 at four rows, 31.7 against 37.7 at eight.
+layer matrices of SmolLM2 shaped as random weights): 4.2 ms at one row against 13.4 ms for the bf16
+kernel, 9.4 against 16.0 at four rows, 17.9 against 33.1 at eight; on one thread both stream about
+8 GB/s at one row, so one row is bound by memory and more rows by the per-row integer work.
 
 These layers have no autograd: training code must use the plain `nn.Linear` model.
 """

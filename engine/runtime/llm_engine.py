@@ -6,6 +6,10 @@ loaded and the request allows it) a verify pass over `[last token, k drafts]` th
 1 and k+1 tokens per sequence. New requests join between steps and finished ones leave, so the
 batch changes shape every step.
 
+A sequence with a grammar (structured output) has its logits masked before every sample, verify
+rows included (`engine/runtime/grammar.py` says why that stays exact); one that asks for
+log-probabilities gets them from the same rows, unmasked (`engine/runtime/logprobs.py`).
+
 Callers either `stream()` from asyncio (the HTTP server) or call `generate()` synchronously
 (benchmarks, data generation, tests). The engine knows token ids only: no text, no HTTP.
 
@@ -34,6 +38,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.model.transformer import Transformer
+from engine.runtime.grammar import Grammar, mask_logits
+from engine.runtime.logprobs import token_logprobs
 from engine.runtime.model_runner import ModelRunner
 from engine.runtime.sampler import Sampler
 from engine.runtime.scheduler import PrefillChunk, Scheduler
@@ -192,13 +198,15 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {self.model.config.vocab_size}): {bad[:5]}")
 
-    async def stream(self, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
-        """Yield this request's deltas; leaving the iterator early aborts it and frees its slot."""
+    async def stream(self, prompt_ids: list[int], params: SamplingParams,
+                     grammar: Grammar | None = None) -> AsyncIterator[TokenDelta]:
+        """Yield this request's deltas; leaving the iterator early aborts it and frees its slot.
+        With a `grammar`, every token is sampled from the distribution it allows."""
         assert self.alive, "engine not started"
         self.check_prompt(prompt_ids)
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[TokenDelta] = asyncio.Queue()
-        seq = Sequence(list(prompt_ids), params)
+        seq = Sequence(list(prompt_ids), params, grammar=grammar)
         self._commands.put(("add", seq, Listener(loop, deltas)))
         finished = False
         try:
@@ -210,14 +218,15 @@ class LLMEngine:
             if not finished:
                 self._commands.put(("abort", seq))
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 grammars: list[Grammar | None] | None = None) -> list[Sequence]:
         """Run prompts to completion on the calling thread (the engine thread must not be running)."""
         assert self._loop_done is None, "generate() runs the loop itself; do not start() the engine"
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         seqs = []
-        for prompt, p in zip(prompts, params_list, strict=True):
+        for prompt, p, g in zip(prompts, params_list, grammars or [None] * len(prompts), strict=True):
             self.check_prompt(prompt)
-            seqs.append(Sequence(list(prompt), p))
+            seqs.append(Sequence(list(prompt), p, grammar=g))
             self._add(seqs[-1], None)
         while self.scheduler.has_work:
             self.step()
@@ -347,24 +356,42 @@ class LLMEngine:
         seq = chunk.seq
         if chunk.start == 0:
             seq.drafter = self.drafter  # kept for the sequence's life: only it observes this context
-        logits, taps = self.runner.prefill(seq, chunk.start, chunk.end, self._taps(seq))
+        scoring = seq.params.prompt_logprobs is not None
+        logits, taps = self.runner.prefill(seq, chunk.start, chunk.end, self._taps(seq), every_position=scoring)
         if seq.drafter:
             tokens = torch.tensor([seq.prompt_ids[chunk.start:chunk.end]], device=self.model.device)
             seq.drafter.proposer.observe([seq.slot], [chunk.start], taps, tokens)
         seq.num_cached = chunk.end
+        if scoring:
+            self._score_prompt(seq, chunk, logits)
+            logits = logits[-1]
         if not chunk.is_last:
             return []
+        if seq.params.max_tokens == 0:  # scoring only (echo with max_tokens 0)
+            self._finish(seq, "length")
+            return [(seq, self._delta(seq, [], "length"))]
+        raw = self._constrain(seq, logits.view(1, -1), [])  # [1, V]
         token = self.sampler.sample(logits.view(1, 1, -1), [seq.seq_id], [seq.params])
-        return [self._commit(seq, [int(token[0, 0])])]
+        return [self._commit(seq, [int(token[0, 0])], raw)]
+
+    @staticmethod
+    def _score_prompt(seq: Sequence, chunk: PrefillChunk, logits: torch.Tensor) -> None:
+        """Log-probabilities of the prompt tokens this chunk's logits `[n, V]` predict: position p's
+        logits predict token p + 1, so a chunk scores the tokens after it (the first has none)."""
+        if chunk.start == 0:
+            seq.prompt_logprobs.append(None)
+        targets = seq.prompt_ids[chunk.start + 1:chunk.end + 1]
+        seq.prompt_logprobs.extend(token_logprobs(logits[:len(targets)], targets, seq.params.prompt_logprobs))
 
     def _decode(self, seqs: list[Sequence]) -> list[tuple[Sequence, TokenDelta]]:
         block = torch.tensor([[s.last_token] for s in seqs], dtype=torch.long)  # [B, 1]
         logits, _ = self.runner.run_block(seqs, block, ())
+        raw = [self._constrain(seq, logits[b], []) for b, seq in enumerate(seqs)]  # each [1, V]
         tokens = self.sampler.sample(logits, [s.seq_id for s in seqs], [s.params for s in seqs])  # [B, 1]
         results = []
-        for seq, token in zip(seqs, tokens[:, 0].tolist()):
+        for b, (seq, token) in enumerate(zip(seqs, tokens[:, 0].tolist())):
             seq.num_cached += 1
-            results.append(self._commit(seq, [token]))
+            results.append(self._commit(seq, [token], raw[b]))
         return results
 
     def _verify(self, seqs: list[Sequence], proposer: Proposer) -> list[tuple[Sequence, TokenDelta]]:
@@ -378,23 +405,38 @@ class LLMEngine:
         block = torch.cat([last.unsqueeze(1), drafts], dim=1)  # [B, k+1]
         logits, taps = self.runner.run_block(seqs, block, proposer.tap_layers)
         proposer.observe(slots, starts, taps, block)
+        raw = [self._constrain(seq, logits[b], drafts[b].tolist()) for b, seq in enumerate(seqs)]  # each [k+1, V]
         target = self.sampler.sample(logits, [s.seq_id for s in seqs], [s.params for s in seqs])  # [B, k+1]
         allowed = torch.tensor([min(k, self._room(s) - 1) for s in seqs], device=target.device)
         accepted = accept_lengths(drafts, target, allowed)
         results = []
-        for seq, tokens, n, cap in zip(seqs, committed_tokens(drafts, target, accepted), accepted.tolist(),
-                                        allowed.tolist()):
+        for b, (seq, tokens, n, cap) in enumerate(zip(seqs, committed_tokens(drafts, target, accepted),
+                                                      accepted.tolist(), allowed.tolist())):
             seq.num_cached += n + 1
             if cap > 0:
                 seq.spec.record(cap, n)
-            results.append(self._commit(seq, tokens))
+            results.append(self._commit(seq, tokens, raw[b]))  # row i: the target's distribution for token i
         return results
+
+    @staticmethod
+    def _constrain(seq: Sequence, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+        """Mask a sequence's logits `[n, V]` in place by its grammar (rows 0..m, m the drafts it allows;
+        later rows never commit: `engine/runtime/grammar.py`), and return the unmasked logits its
+        log-probabilities are reported from (the tensor itself when nothing is masked or reported)."""
+        if seq.grammar is None:
+            return logits
+        raw = logits.clone() if seq.params.logprobs is not None else logits
+        allowed = seq.grammar.masks(drafts)  # [m + 1, V]
+        mask_logits(logits[:allowed.shape[0]], allowed)
+        return raw
 
     def _room(self, seq: Sequence) -> int:
         """How many more tokens this sequence may commit (max_tokens and the context both bound it)."""
         return min(seq.params.max_tokens - len(seq.output_ids), self.config.max_len - seq.num_tokens)
 
-    def _commit(self, seq: Sequence, tokens: list[int]) -> tuple[Sequence, TokenDelta]:
+    def _commit(self, seq: Sequence, tokens: list[int], logits: torch.Tensor) -> tuple[Sequence, TokenDelta]:
+        """Append `tokens` until one ends the sequence; `logits` `[>= len(tokens), V]`: the target's at
+        the position that produced each (for log-probabilities)."""
         new, reason = [], None
         for token in tokens:
             seq.output_ids.append(token)
@@ -405,14 +447,23 @@ class LLMEngine:
                 reason = "length"
             if reason:
                 break
+        if seq.grammar is not None:
+            seq.grammar.accept(new)
+            reason = reason or ("stop" if seq.grammar.finished else None)
         if reason:
             self._finish(seq, reason)
-        return seq, self._delta(seq, new, reason)
+        logprobs = None
+        if seq.params.logprobs is not None:
+            logprobs = token_logprobs(logits[:len(new)], new, seq.params.logprobs)
+            seq.logprobs.extend(logprobs)
+        return seq, self._delta(seq, new, reason, logprobs)
 
     @staticmethod
-    def _delta(seq: Sequence, tokens: list[int], reason: str | None) -> TokenDelta:
+    def _delta(seq: Sequence, tokens: list[int], reason: str | None, logprobs: list | None = None) -> TokenDelta:
+        first = len(seq.output_ids) == len(tokens)  # the sequence's first delta (prefill's)
+        prompt_logprobs = seq.prompt_logprobs if first and seq.params.prompt_logprobs is not None else None
         return TokenDelta(tokens, reason, len(seq.prompt_ids), len(seq.output_ids), seq.spec,
-                          seq.drafter.version if seq.drafter else None)
+                          seq.drafter.version if seq.drafter else None, logprobs, prompt_logprobs)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

@@ -25,12 +25,14 @@ class ModelRunner:
                              self.device)
 
     @torch.inference_mode()
-    def prefill(self, seq: Sequence, start: int, end: int, taps: Seq[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Cache prompt positions [start, end) of one sequence; logits `[V]` of the last one."""
+    def prefill(self, seq: Sequence, start: int, end: int, taps: Seq[int],
+                every_position: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Cache prompt positions [start, end) of one sequence; logits `[V]` of the last one, or `[n, V]`
+        of every one with `every_position` (prompt log-probabilities)."""
         tokens = torch.tensor([seq.prompt_ids[start:end]], dtype=torch.long, device=self.device)  # [1, n]
         batch = AttnBatch.build([seq.slot], [start], end - start, self.device, self.cache.max_len)
         hidden, tapped = self.model(tokens, self.cache, batch, taps)
-        return self.model.logits(hidden[0, -1]), tapped
+        return self.model.logits(hidden[0] if every_position else hidden[0, -1]), tapped
 
     @torch.inference_mode()
     def run_block(self, seqs: list[Sequence], block: torch.Tensor, taps: Seq[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:

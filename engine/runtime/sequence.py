@@ -11,7 +11,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.runtime.logprobs import MAX_TOP, TokenLogprob
+
 if TYPE_CHECKING:
+    from engine.runtime.grammar import Grammar
     from engine.speculation.proposer import ServedDrafter
 
 
@@ -28,10 +31,16 @@ class SamplingParams:
     ignore_eos: bool = False
     speculate: bool = True  # per-request opt-out; greedy output is identical either way, sampled output
     # has the same distribution but other draws (a verify pass draws k+1 samples, keeps the accepted ones)
+    logprobs: int | None = None  # each emitted token's log-probability and this many alternatives
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo); then max_tokens may be 0
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise ValueError(f"max_tokens must be >= 1 (0 only with prompt log-probabilities), got {self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_TOP:
+                raise ValueError(f"{name} must be in [0, {MAX_TOP}], got {value}")
         if not 0.0 <= self.temperature <= 2.0:
             raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -100,6 +109,8 @@ class TokenDelta:
     completion_tokens: int = 0
     spec: SpecStats | None = None
     drafter_version: str | None = None  # the drafter that drafted for this request, if one did
+    logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids`, when the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first delta, when asked: None for token 0
 
     @property
     def finished(self) -> bool:
@@ -121,6 +132,9 @@ class Sequence:
     finish_reason: str | None = None
     spec: SpecStats = field(default_factory=SpecStats)
     drafter: "ServedDrafter | None" = None  # set at the first prefill chunk, kept for the sequence's life
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # filled chunk by chunk, if asked
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked
+    grammar: "Grammar | None" = None  # structured output: what the next token may be (engine/runtime/grammar.py)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -22,9 +22,11 @@ callbacks (flushing trace capture). Request orchestration lives in `serving.py`.
 """
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
+from typing import TypeVar
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,8 +36,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from consent.tenants import TenantDirectory
 from engine.loaders.load import LoadedModel
+from engine.runtime.grammar import Grammar, GrammarCompiler
 from engine.runtime.llm_engine import LLMEngine, PromptTooLong
-from engine.runtime.sequence import SamplingParams
+from engine.runtime.sequence import SamplingParams, SpecStats
+from engine.server.logprobs_format import chat_logprobs, completion_logprobs, prompt_entries
 from engine.server.metrics import CONTENT_TYPE, ServerMetrics
 from engine.server.protocol import (
     AssistantMessage,
@@ -45,7 +49,9 @@ from engine.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ErrorBody,
@@ -62,6 +68,7 @@ from engine.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 COMPLETIONS, CHAT = "completions", "chat.completions"  # endpoint names in metrics and traces
 _ENDPOINTS = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT}
 _OPENAI_DEFAULT_MAX_TOKENS = 16  # what OpenAI's legacy completions endpoint generates when unset
@@ -100,7 +107,8 @@ def build_app(loaded: LoadedModel, engine: LLMEngine, settings: ServerSettings,
     closers, companions = tuple(on_shutdown), tuple(companions)
     ctx = ServingContext(engine=engine, tokenizer=loaded.tokenizer, metrics=metrics,
                          model=settings.served_model_name or loaded.name, fingerprint=loaded.fingerprint,
-                         on_finish=on_finish, weights=loaded.weights, quantized_from=loaded.source_fingerprint)
+                         on_finish=on_finish, weights=loaded.weights, quantized_from=loaded.source_fingerprint,
+                         grammars=GrammarCompiler(loaded.tokenizer))
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
@@ -171,6 +179,9 @@ def _validation_to_api_error(exc: RequestValidationError) -> APIError:
     if not fields[0]:
         return APIError(400, _BODY_ERRORS.get(first["type"], _message(first)))
     messages = [f"{'.'.join(str(p) for p in f) or 'body'}: {_message(e)}" for f, e in zip(fields, errors)]
+    if first["type"] == "extra_forbidden":  # OpenAI's own answer to a field it does not know
+        return APIError(400, f"unrecognized request argument supplied: {'.'.join(str(p) for p in fields[0])} "
+                             f"(docs/api.md lists the supported fields)", param=str(fields[0][0]))
     return APIError(400, "; ".join(messages), param=str(fields[0][0]))
 
 
@@ -253,13 +264,19 @@ def _openai_router(ctx: ServingContext) -> APIRouter:
             prompt_ids, prompt_text = ctx.tokenizer.encode(body.prompt, add_special_tokens=True), body.prompt
         else:
             prompt_ids, prompt_text = list(body.prompt), None
-        gen = Generation(ctx, _request_input(ctx, request, body, COMPLETIONS, prompt_ids, prompt_text, "prompt",
-                                             _OPENAI_DEFAULT_MAX_TOKENS))
+        # echo with logprobs scores the prompt; echo with max_tokens 0 does only that
+        scored = body.logprobs if body.echo and body.logprobs is not None else (0 if body.max_tokens == 0 else None)
+        gens = _choices(ctx, request, body, COMPLETIONS, prompt_ids, prompt_text, "prompt",
+                        _OPENAI_DEFAULT_MAX_TOKENS, body.logprobs, scored)
+        echo = _Echo(ctx, body, prompt_ids) if body.echo else None
         if body.stream:
-            return _sse(ctx, gen, _completion_events(ctx, gen, body.include_usage))
-        text = await _run_unless_disconnected(ctx, request, gen)
-        choice = CompletionChoice(text=text, finish_reason=gen.finish_reason)
-        return _json(ctx, gen, CompletionResponse(**_envelope(ctx, gen), choices=[choice], usage=_usage(gen)))
+            return _sse(ctx, gens[0], _completion_events(ctx, gens, body.include_usage, echo))
+        texts = await _run_unless_disconnected(ctx, request, gens)
+        shift = len(echo.text) if echo else 0
+        choices = [CompletionChoice(index=i, text=(echo.text if echo else "") + text, finish_reason=gen.finish_reason,
+                                    logprobs=None if body.logprobs is None else _completion_logprobs(ctx, gen, echo, shift))
+                   for i, (gen, text) in enumerate(zip(gens, texts))]
+        return _json(ctx, gens[0], CompletionResponse(**_envelope(ctx, gens[0]), choices=choices, usage=_usage(gens)))
 
     @router.post("/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -269,13 +286,16 @@ def _openai_router(ctx: ServingContext) -> APIRouter:
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
         prompt_ids = ctx.tokenizer.encode(prompt_text, add_special_tokens=False)
-        gen = Generation(ctx, _request_input(ctx, request, body, CHAT, prompt_ids, prompt_text,
-                                             "messages", None))
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        schema = body.response_format.output_schema() if body.response_format else None
+        gens = _choices(ctx, request, body, CHAT, prompt_ids, prompt_text, "messages", None, logprobs, schema=schema)
         if body.stream:
-            return _sse(ctx, gen, _chat_events(ctx, gen, body.include_usage))
-        text = await _run_unless_disconnected(ctx, request, gen)
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=gen.finish_reason)
-        return _json(ctx, gen, ChatCompletionResponse(**_envelope(ctx, gen), choices=[choice], usage=_usage(gen)))
+            return _sse(ctx, gens[0], _chat_events(ctx, gens, body.include_usage))
+        texts = await _run_unless_disconnected(ctx, request, gens)
+        choices = [ChatChoice(index=i, message=AssistantMessage(content=text), logprobs=_chat_logprobs(ctx, gen),
+                              finish_reason=gen.finish_reason) for i, (gen, text) in enumerate(zip(gens, texts))]
+        return _json(ctx, gens[0], ChatCompletionResponse(**_envelope(ctx, gens[0]), choices=choices,
+                                                          usage=_usage(gens)))
 
     return router
 
@@ -286,9 +306,41 @@ def _check_model(ctx: ServingContext, model: str) -> None:
                        param="model", code="model_not_found")
 
 
+def _choices(ctx: ServingContext, request: Request, body: CompletionRequest | ChatCompletionRequest, endpoint: str,
+             prompt_ids: list[int], prompt_text: str | None, prompt_field: str, default_max_tokens: int | None,
+             logprobs: int | None, prompt_logprobs: int | None = None,
+             schema: dict | None = None) -> list[Generation]:
+    """One generation per choice (`n`). Choice i samples with seed + i, so each choice is reproducible
+    on its own; they do not share the prompt's prefill (each sequence fills its own cache slot).
+    With a `schema`, each choice decodes under its own grammar of it."""
+    first = _request_input(ctx, request, body, endpoint, prompt_ids, prompt_text, prompt_field, default_max_tokens,
+                           logprobs, prompt_logprobs)
+    inputs = [dataclasses.replace(first, request_id=f"{first.request_id}-{i}" if i else first.request_id,
+                                  params=_choice_params(first.params, i), grammar=_grammar(ctx, schema))
+              for i in range(body.n)]
+    return [Generation(ctx, r) for r in inputs]
+
+
+def _grammar(ctx: ServingContext, schema: dict | None) -> Grammar | None:
+    if schema is None:
+        return None
+    assert ctx.grammars is not None
+    try:
+        return ctx.grammars.json_schema(schema)
+    except ValueError as e:
+        raise APIError(400, f"response_format: {e}", param="response_format") from e
+
+
+def _choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    if params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + index + 2 ** 63) % 2 ** 64 - 2 ** 63)  # stays int64
+
+
 def _request_input(ctx: ServingContext, request: Request, body: CompletionRequest | ChatCompletionRequest,
                    endpoint: str, prompt_ids: list[int], prompt_text: str | None, prompt_field: str,
-                   default_max_tokens: int | None) -> RequestInput:
+                   default_max_tokens: int | None, logprobs: int | None = None,
+                   prompt_logprobs: int | None = None) -> RequestInput:
     """Check the prompt against the context and build the engine's parameters; 400 on any misfit."""
     try:
         ctx.engine.check_prompt(prompt_ids)
@@ -304,21 +356,52 @@ def _request_input(ctx: ServingContext, request: Request, body: CompletionReques
                        param=limit[0], code="context_length_exceeded")
     max_tokens = limit[1] if limit is not None else min(default_max_tokens or room, room)
     params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                            top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos)
+                            top_k=body.top_k, seed=body.seed, ignore_eos=body.ignore_eos, logprobs=logprobs,
+                            prompt_logprobs=prompt_logprobs)
     return RequestInput(request_id=new_id("chatcmpl" if endpoint == CHAT else "cmpl"),
                         endpoint=endpoint, prompt_ids=prompt_ids, prompt_text=prompt_text, params=params,
                         stop=body.stop_strings, tenant=request.state.tenant,
                         user=request.headers.get(SUBJECT_HEADER) or body.user)
 
 
-def _usage(gen: Generation) -> Usage:
+class _Echo:
+    """What `echo` puts before a completion: the prompt's text, and its tokens' offsets in it."""
+
+    def __init__(self, ctx: ServingContext, body: CompletionRequest, prompt_ids: list[int]) -> None:
+        self.ctx, self.prompt_ids = ctx, prompt_ids
+        self.decoded, self.offsets = prompt_entries(ctx.tokenizer, prompt_ids, [None] * len(prompt_ids))
+        self.text = body.prompt if isinstance(body.prompt, str) else self.decoded
+
+    def entries(self, gen: Generation) -> list[tuple[int, object, int]]:
+        scored = gen.prompt_logprobs or [None] * len(self.prompt_ids)
+        return [(offset, entry, token) for (offset, _, token), entry in zip(self.offsets, scored, strict=True)]
+
+
+def _completion_logprobs(ctx: ServingContext, gen: Generation, echo: _Echo | None, shift: int,
+                         with_prompt: bool = True) -> CompletionLogprobs:
+    """The legacy format for the tokens sent since the last call (offsets past `shift` characters of
+    echoed prompt), the prompt's own first when echoing."""
+    entries = echo.entries(gen) if echo is not None and with_prompt else []
+    entries += [(shift + offset, entry, entry.token_id) for offset, entry in gen.take_logprobs()]
+    return completion_logprobs(ctx.tokenizer, entries)
+
+
+def _chat_logprobs(ctx: ServingContext, gen: Generation) -> ChatLogprobs | None:
+    if gen.req.params.logprobs is None:
+        return None
+    return chat_logprobs(ctx.tokenizer, [entry for _, entry in gen.take_logprobs()])
+
+
+def _usage(gens: list[Generation]) -> Usage:
+    """The prompt once (as OpenAI counts it), every choice's completion tokens, speculation pooled."""
+    pooled = SpecStats.pooled(g.spec for g in gens if g.spec is not None)
     spec = None
-    if gen.spec is not None and gen.spec.drafts:
-        spec = SpeculationUsage(drafts=gen.spec.drafts, draft_tokens=gen.spec.draft_tokens,
-                                accepted_tokens=gen.spec.accepted_tokens,
-                                mean_accepted_length=gen.spec.mean_accepted_length)
-    return Usage(prompt_tokens=gen.prompt_tokens, completion_tokens=gen.completion_tokens,
-                 total_tokens=gen.prompt_tokens + gen.completion_tokens, speculation=spec)
+    if pooled.drafts:
+        spec = SpeculationUsage(drafts=pooled.drafts, draft_tokens=pooled.draft_tokens,
+                                accepted_tokens=pooled.accepted_tokens, mean_accepted_length=pooled.mean_accepted_length)
+    completion = sum(g.completion_tokens for g in gens)
+    return Usage(prompt_tokens=gens[0].prompt_tokens, completion_tokens=completion,
+                 total_tokens=gens[0].prompt_tokens + completion, speculation=spec)
 
 
 def _json(ctx: ServingContext, gen: Generation, payload: CompletionResponse | ChatCompletionResponse) -> Response:
@@ -329,13 +412,14 @@ def _json(ctx: ServingContext, gen: Generation, payload: CompletionResponse | Ch
 # --------------------------------------------------------------------------------- running and streaming
 
 
-async def _run_unless_disconnected(ctx: ServingContext, request: Request, gen: Generation) -> str:
-    """The whole completion text; aborts the generation if the client hangs up first."""
+async def _run_unless_disconnected(ctx: ServingContext, request: Request, gens: list[Generation]) -> list[str]:
+    """Every choice's whole text; aborts the generations if the client hangs up first."""
+    gen = gens[0]
 
-    async def collect() -> str:
-        return "".join([piece async for piece in gen.text()])
+    async def collect(g: Generation) -> str:
+        return "".join([piece async for piece in g.text()])
 
-    work = asyncio.ensure_future(collect())
+    work = asyncio.ensure_future(asyncio.gather(*(collect(g) for g in gens)))
     hangup = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         await asyncio.wait({work, hangup}, return_when=asyncio.FIRST_COMPLETED)
@@ -385,30 +469,78 @@ def _envelope(ctx: ServingContext, gen: Generation) -> dict[str, str | int]:
     return {"id": gen.req.request_id, "created": now(), "model": ctx.model, "system_fingerprint": ctx.fingerprint}
 
 
-async def _completion_events(ctx: ServingContext, gen: Generation, include_usage: bool) -> AsyncIterator[str]:
-    head, exclude = _envelope(ctx, gen), None if include_usage else {"usage"}
+async def _merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """Items of every stream as they come. Leaving early closes them all (aborting their requests)."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for item in only:
+                yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
 
-    def chunk(text: str, finish_reason: str | None = None) -> str:
-        choice = CompletionChoice(text=text, finish_reason=finish_reason)
-        return CompletionResponse(**head, choices=[choice]).model_dump_json(exclude=exclude)
+    async def pump(stream: AsyncIterator[T]) -> None:
+        async with aclosing(stream):
+            try:
+                async for item in stream:
+                    await queue.put(item)
+            except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+                await queue.put(e)
+            await queue.put(done)
 
-    async for piece in gen.text():
-        yield chunk(piece)
-    yield chunk("", gen.finish_reason)
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        for _ in tasks:
+            while (item := await queue.get()) is not done:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _completion_events(ctx: ServingContext, gens: list[Generation], include_usage: bool,
+                             echo: _Echo | None) -> AsyncIterator[str]:
+    head, exclude = _envelope(ctx, gens[0]), None if include_usage else {"usage"}
+    async for choice in _merged([_completion_choice_stream(ctx, g, i, echo) for i, g in enumerate(gens)]):
+        yield CompletionResponse(**head, choices=[choice]).model_dump_json(exclude=exclude)
     if include_usage:
-        yield CompletionResponse(**head, choices=[], usage=_usage(gen)).model_dump_json()
+        yield CompletionResponse(**head, choices=[], usage=_usage(gens)).model_dump_json()
 
 
-async def _chat_events(ctx: ServingContext, gen: Generation, include_usage: bool) -> AsyncIterator[str]:
-    head, exclude = _envelope(ctx, gen), None if include_usage else {"usage"}
+async def _completion_choice_stream(ctx: ServingContext, gen: Generation, index: int,
+                                    echo: _Echo | None) -> AsyncIterator[CompletionChoice]:
+    shift, wants_logprobs = len(echo.text) if echo else 0, gen.req.params.logprobs is not None
 
-    def chunk(delta: ChatDelta, finish_reason: str | None = None) -> str:
-        choice = ChatChunkChoice(delta=delta, finish_reason=finish_reason)
-        return ChatCompletionChunk(**head, choices=[choice]).model_dump_json(exclude=exclude)
+    def chunk(text: str, finish_reason: str | None = None, logprobs: CompletionLogprobs | None = None
+              ) -> CompletionChoice:
+        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
+
+    first = True
+    async for piece in gen.text():
+        text = (echo.text if echo and first else "") + piece
+        yield chunk(text, None, _completion_logprobs(ctx, gen, echo, shift, first) if wants_logprobs else None)
+        first = False
+    if echo and first:  # nothing was generated (max_tokens 0): the prompt alone
+        yield chunk(echo.text, None, _completion_logprobs(ctx, gen, echo, shift) if wants_logprobs else None)
+    yield chunk("", gen.finish_reason, _completion_logprobs(ctx, gen, None, shift) if wants_logprobs else None)
+
+
+async def _chat_events(ctx: ServingContext, gens: list[Generation], include_usage: bool) -> AsyncIterator[str]:
+    head, exclude = _envelope(ctx, gens[0]), None if include_usage else {"usage"}
+    async for choice in _merged([_chat_choice_stream(ctx, g, i) for i, g in enumerate(gens)]):
+        yield ChatCompletionChunk(**head, choices=[choice]).model_dump_json(exclude=exclude)
+    if include_usage:
+        yield ChatCompletionChunk(**head, choices=[], usage=_usage(gens)).model_dump_json()
+
+
+async def _chat_choice_stream(ctx: ServingContext, gen: Generation, index: int) -> AsyncIterator[ChatChunkChoice]:
+    def chunk(delta: ChatDelta, finish_reason: str | None = None, logprobs: ChatLogprobs | None = None
+              ) -> ChatChunkChoice:
+        return ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)
 
     yield chunk(ChatDelta(role="assistant", content=""))
     async for piece in gen.text():
-        yield chunk(ChatDelta(content=piece))
-    yield chunk(ChatDelta(), gen.finish_reason)
-    if include_usage:
-        yield ChatCompletionChunk(**head, choices=[], usage=_usage(gen)).model_dump_json()
+        yield chunk(ChatDelta(content=piece), logprobs=_chat_logprobs(ctx, gen))
+    yield chunk(ChatDelta(), gen.finish_reason, _chat_logprobs(ctx, gen))

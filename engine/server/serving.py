@@ -17,9 +17,12 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from engine.model.tokenizer import Tokenizer
+from engine.runtime.grammar import Grammar, GrammarCompiler
 from engine.runtime.llm_engine import LLMEngine
+from engine.runtime.logprobs import TokenLogprob
 from engine.runtime.sequence import SamplingParams, SpecStats
 from engine.server.detokenizer import Detokenizer, StopStringMatcher
+from engine.server.logprobs_format import EmittedLogprobs
 from engine.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -68,6 +71,7 @@ class ServingContext:
     on_finish: FinishHook | None = None
     weights: str = "dense"  # "nvfp4" when the projections are served from NVFP4 weights
     quantized_from: str | None = None  # the source model's fingerprint, for an NVFP4 model
+    grammars: GrammarCompiler | None = None  # structured output (None: the API builds none)
 
 
 @dataclass
@@ -83,6 +87,7 @@ class RequestInput:
     tenant: str | None
     user: str | None
     arrived_at: float = field(default_factory=time.time)
+    grammar: Grammar | None = None  # structured output: what each token may be
 
 
 class Generation:
@@ -96,6 +101,8 @@ class Generation:
         self.finish_reason: str | None = None
         self.spec: SpecStats | None = None
         self.drafter_version: str | None = None
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # when the request asked (echo)
+        self._logprobs = EmittedLogprobs(ctx.tokenizer, req.prompt_ids) if req.params.logprobs is not None else None
         self._started = time.perf_counter()
         self._first_token_at: float | None = None
 
@@ -115,11 +122,15 @@ class Generation:
         detok = Detokenizer(self.ctx.tokenizer, self.req.prompt_ids)
         stops = StopStringMatcher(self.req.stop)
         last = self._started
-        async with aclosing(self.ctx.engine.stream(self.req.prompt_ids, self.req.params)) as deltas:
+        async with aclosing(self.ctx.engine.stream(self.req.prompt_ids, self.req.params, self.req.grammar)) as deltas:
             async for delta in deltas:
                 last = self._time_tokens(last, len(delta.token_ids))
                 self.response_ids.extend(delta.token_ids)
                 self.spec, self.drafter_version = delta.spec, delta.drafter_version
+                if delta.prompt_logprobs is not None:
+                    self.prompt_logprobs = delta.prompt_logprobs
+                if self._logprobs is not None and delta.logprobs:
+                    self._logprobs.push(delta.logprobs)
                 piece = stops.push(detok.push(delta.token_ids))
                 if stops.stopped:
                     self.finish_reason = "stop"
@@ -134,6 +145,11 @@ class Generation:
         if self.finish_reason not in ("stop", "length"):
             raise EngineFailed(f"the engine could not complete this request (finish_reason {self.finish_reason!r})")
         self._finished()
+
+    def take_logprobs(self) -> list[tuple[int, TokenLogprob]]:
+        """(offset in the response text, entry) of the tokens whose text has been sent since the last
+        call; none for tokens past a stop string. Empty when the request asked for none."""
+        return [] if self._logprobs is None else self._logprobs.take(len(self.response_text))
 
     def _time_tokens(self, last: float, num_tokens: int) -> float:
         if not num_tokens:

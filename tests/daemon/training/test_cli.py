@@ -1,29 +1,34 @@
-"""`specloop train-drafter` and `eval-drafter` end to end on the real SmolLM2 (a few steps, a few tokens)."""
+"""`specloop train-drafter` and `eval-drafter` end to end: on the real SmolLM2 (a few steps, a few
+tokens), and on a tiny model's NVFP4 target warm-started from its dense model's drafter."""
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 import typer
 from typer.testing import CliRunner
 
+from daemon.cli import app as specloop
 from daemon.training import cli as training_cli
 from daemon.training.sequences import TokenSequence, write_jsonl
-from engine.loaders.load import LoadedModel
+from engine.loaders.load import LoadedModel, load_model
 from engine.speculation.drafter_artifact import read_meta
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture
 def app(smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> typer.Typer:
     # The commands load the real model themselves; reuse the session's copy instead of reloading it.
-    monkeypatch.setattr(training_cli, "_target", lambda model, dtype, device: smollm2)
+    monkeypatch.setattr(training_cli, "_target", lambda model, dtype, device, weights, nvfp4_lm_head: smollm2)
     app = typer.Typer()
     training_cli.register(app)
     return app
 
 
+@pytest.mark.integration
 def test_train_then_eval_on_smollm2(app: typer.Typer, smollm2: LoadedModel, tmp_path: Path) -> None:
     tok = smollm2.tokenizer
     texts = ["def add(a, b):\n    return a + b\n", "for i in range(3):\n    print(i)\n", "x = [1, 2, 3]\ny = x\n"]
@@ -48,6 +53,7 @@ def test_train_then_eval_on_smollm2(app: typer.Typer, smollm2: LoadedModel, tmp_
     assert report["set"]["sequences"] == 3
 
 
+@pytest.mark.integration
 def test_eval_refuses_a_drafter_for_another_model(app: typer.Typer, smollm2: LoadedModel, tmp_path: Path) -> None:
     from engine.speculation.dflash import DFlashConfig, DFlashDrafter
     from engine.speculation.drafter_artifact import Lineage, save_drafter
@@ -58,3 +64,27 @@ def test_eval_refuses_a_drafter_for_another_model(app: typer.Typer, smollm2: Loa
     run = CliRunner().invoke(app, ["eval-drafter", "--data", str(tmp_path / "d.jsonl"), "--drafter",
                                    str(tmp_path / "other")])
     assert run.exit_code == 2 and "trained for base model 0000000000000000" in run.output
+
+
+def test_an_nvfp4_target_trains_its_own_drafter_warm_started_from_the_dense_ones(
+        tiny_hf_model: Callable[[str], Path], tmp_path: Path) -> None:
+    model = tiny_hf_model("llama-deep")
+    write_jsonl(tmp_path / "d.jsonl", [TokenSequence((1, 2, 3), tuple(range(10 + i, 22 + i))) for i in range(3)])
+    data = ["--data", str(tmp_path / "d.jsonl"), "--model", str(model)]
+    train = ["train-drafter", *data, "--steps", "2", "--block-size", "4", "--anchors", "4", "--taps", "2",
+             "--heldout-fraction", "0", "--no-progress"]
+    run = CliRunner().invoke(specloop, [*train, "--out", str(tmp_path / "dense")])
+    assert run.exit_code == 0, run.output
+    run = CliRunner().invoke(specloop, [*train, "--out", str(tmp_path / "nvfp4"), "--weights", "nvfp4",
+                                        "--init-from", str(tmp_path / "dense")])
+    assert run.exit_code == 0, run.output
+    dense, nvfp4 = read_meta(tmp_path / "dense"), read_meta(tmp_path / "nvfp4")
+    fingerprint = load_model(model, torch.float32, torch.device("cpu"), weights="nvfp4").fingerprint
+    assert nvfp4["base_model_fingerprint"] == fingerprint != dense["base_model_fingerprint"]
+    assert nvfp4["lineage"]["warm_start_base_model"] == dense["base_model_fingerprint"]
+    evaluate = ["eval-drafter", *data, "--weights", "nvfp4", "--no-ngram", "--no-combined", "--drafter"]
+    run = CliRunner().invoke(specloop, [*evaluate, str(tmp_path / "nvfp4")])
+    assert run.exit_code == 0, run.output
+    assert json.loads(run.output)["base_model_fingerprint"] == fingerprint
+    run = CliRunner().invoke(specloop, [*evaluate, str(tmp_path / "dense")])
+    assert run.exit_code == 2 and f"trained for base model {dense['base_model_fingerprint']}" in run.output

@@ -3,10 +3,12 @@
 import json
 from pathlib import Path
 
+import torch
 from typer.testing import CliRunner
 
 from daemon.cli import app
 from daemon.training.sequences import read_sequences
+from engine.loaders.load import load_model
 
 
 def test_generate_writes_a_disjoint_train_and_heldout_split(tiny_llama_dir: Path, tmp_path: Path) -> None:
@@ -61,9 +63,27 @@ def test_generate_skips_prompts_an_earlier_round_answered(tiny_llama_dir: Path, 
     assert len(old) == 3 and {s.prompt for s in old}.isdisjoint({s.prompt for s in new})
 
 
+def test_generate_answers_with_the_nvfp4_target(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Add {i}"}]}) + "\n"
+                               for i in range(3)))
+    base = ["generate", "--model", str(tiny_llama_dir), "--source", "file", "--prompts-file", str(prompts),
+            "--max-tokens", "3", "--concurrency", "3", "--dtype", "float32", "--weights", "nvfp4"]
+    result = CliRunner().invoke(app, [*base, "--out", str(tmp_path / "q"), "--nvfp4-lm-head"])
+    assert result.exit_code == 0, result.output
+    stats = json.loads((tmp_path / "q" / "stats.json").read_text())
+    dense = load_model(tiny_llama_dir, torch.float32, torch.device("cpu"))
+    nvfp4 = load_model(tiny_llama_dir, torch.float32, torch.device("cpu"), weights="nvfp4", nvfp4_lm_head=True)
+    assert (stats["weights"], stats["nvfp4_lm_head"]) == ("nvfp4", True)
+    assert (stats["base_model"], stats["source_base_model"]) == (nvfp4.fingerprint, dense.fingerprint)
+    assert nvfp4.fingerprint != dense.fingerprint
+
+
 def test_generate_refuses_bad_options(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["generate", "--out", str(tmp_path), "--dtype", "float16"])
     assert result.exit_code != 0 and "--dtype" in result.output
+    result = CliRunner().invoke(app, ["generate", "--out", str(tmp_path), "--nvfp4-lm-head"])
+    assert result.exit_code == 2 and "needs weights='nvfp4'" in " ".join(result.output.replace("│", " ").split())
     result = CliRunner().invoke(app, ["generate", "--out", str(tmp_path), "--skip-answered-in", str(tmp_path / "no.jsonl")])
     words = " ".join(result.output.replace("│", " ").split())  # the error box wraps lines
     assert result.exit_code == 2 and "--skip-answered-in: training data" in words and "does not exist" in words

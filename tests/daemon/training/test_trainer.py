@@ -195,6 +195,20 @@ def test_trimmed_vocabulary_and_warm_start(tmp_path: Path) -> None:
     assert kept.drafter.vocab_ids.tolist() == [5, 6, 7]
 
 
+def test_a_warm_start_from_another_base_model_trains_for_this_one(tmp_path: Path) -> None:
+    seqs = cycling(8)
+    cfg = config(tmp_path / "dense", max_steps=2, heldout_fraction=0.0)
+    Trainer(cfg, tiny_target(), "fp-dense", seqs).run()
+    # Another model of the same shape (its NVFP4 quantization, a fine-tune): its own artifact, the parent named.
+    Trainer(replace(cfg, out_dir=str(tmp_path / "q"), init_from=str(tmp_path / "dense")), tiny_target(seed=1),
+            "fp-nvfp4", seqs).run()
+    meta = read_meta(tmp_path / "q")
+    assert (meta["base_model_fingerprint"], meta["lineage"]["warm_start_base_model"]) == ("fp-nvfp4", "fp-dense")
+    with pytest.raises(ValueError, match="init_from .*dense: drafter was built for a 6-layer target, got 8"):
+        Trainer(replace(cfg, out_dir=str(tmp_path / "x"), init_from=str(tmp_path / "dense")), tiny_target(layers=8),
+                "fp-deeper", seqs)
+
+
 def block_outputs(drafter: torch.nn.Module) -> torch.Tensor:
     """The drafter's final hidden states `[1, 4, H]` for one fixed block over a fixed random context."""
     g = torch.Generator().manual_seed(3)

@@ -178,14 +178,19 @@ def _post(server: RunningServer, path: str, body: dict | None = None, timeout: f
     ("/v1/chat/completions", {"model": "M", "messages": HELLO, "temperature": 2.5}, "temperature"),
     ("/v1/chat/completions", {"model": "M", "messages": HELLO, "top_p": 0}, "top_p"),
     ("/v1/chat/completions", {"model": "M", "messages": HELLO, "top_k": -2}, "top_k"),
-    ("/v1/chat/completions", {"model": "M", "messages": HELLO, "n": 2}, "n"),
+    ("/v1/chat/completions", {"model": "M", "messages": HELLO, "n": 0}, "n"),
+    ("/v1/chat/completions", {"model": "M", "messages": HELLO, "n": 17}, "n"),
+    ("/v1/chat/completions", {"model": "M", "messages": HELLO, "seed": 2 ** 64}, "seed"),
     ("/v1/chat/completions", {"model": "M", "messages": HELLO, "stop": ""}, "stop"),
     ("/v1/chat/completions", {"messages": HELLO}, "model"),
     ("/v1/completions", {"model": "M", "prompt": {"text": "x"}}, "prompt"),
     ("/v1/completions", {"model": "M", "prompt": [1, -5]}, "prompt"),
     ("/v1/completions", {"model": "M", "prompt": [1, 10**7]}, "prompt"),
     ("/v1/completions", {"model": "M", "prompt": ""}, "prompt"),
-    ("/v1/completions", {"model": "M", "prompt": "x", "logprobs": 3}, "logprobs"),
+    ("/v1/completions", {"model": "M", "prompt": "x", "logprobs": 6}, "logprobs"),
+    ("/v1/completions", {"model": "M", "prompt": "x", "max_tokens": 0}, "echo"),
+    ("/v1/chat/completions", {"model": "M", "messages": HELLO, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"model": "M", "messages": HELLO, "top_logprobs": 2}, "top_logprobs"),
 ])
 def test_invalid_fields_are_400_naming_the_field(server: RunningServer, path: str, body: dict, param: str) -> None:
     body = {**body, "model": server.model} if "model" in body else body
