@@ -74,12 +74,14 @@ def train_config(training: Training, out_dir: Path, warm_start: Path | None, see
 
 def train_challenger(cfg: TrainConfig, target: Transformer, base_model: str, sequences: list[TokenSequence],
                      should_stop: Callable[[], str | None], stop: threading.Event, processes: int = 1,
-                     model_source: Path | None = None) -> TrainResult:
+                     model_source: Path | None = None, weights: str = "dense") -> TrainResult:
     """Train and write the artifact to `cfg.out_dir`; RunStopped when `should_stop()` gives a reason. With
-    `processes` > 1, under torchrun, each process loading the target from `model_source`."""
+    `processes` > 1, under torchrun, each process loading the target from `model_source` with the same
+    `weights` ("nvfp4": NVFP4 projections, and an NVFP4 LM head when `target` has one)."""
     if processes > 1:
         assert model_source is not None, "the processes under torchrun load the target from its source"
-        return _train_under_torchrun(cfg, target, model_source, processes, sequences, should_stop, stop)
+        options = ["--weights", weights] + (["--nvfp4-lm-head"] if hasattr(target.lm_head, "q") else [])
+        return _train_under_torchrun(cfg, target, model_source, processes, sequences, should_stop, stop, options)
     trainer = Trainer(cfg, target, base_model, sequences)
     last_report = time.monotonic()
     reason = None
@@ -97,7 +99,7 @@ def train_challenger(cfg: TrainConfig, target: Transformer, base_model: str, seq
 
 def _train_under_torchrun(cfg: TrainConfig, target: Transformer, model_source: Path, processes: int,
                           sequences: list[TokenSequence], should_stop: Callable[[], str | None],
-                          stop: threading.Event) -> TrainResult:
+                          stop: threading.Event, target_options: list[str]) -> TrainResult:
     """`train-drafter` in `processes` processes under torchrun on `sequences`; its result. The artifact's
     fingerprint is the one they compute from `model_source` (the gate refuses one of another model)."""
     out = Path(cfg.out_dir)
@@ -108,7 +110,7 @@ def _train_under_torchrun(cfg: TrainConfig, target: Transformer, model_source: P
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
                    "-m", "daemon.cli", "train-drafter", "--data", str(data), "--model", str(model_source),
                    "--dtype", str(target.dtype).removeprefix("torch."), "--device", target.device.type,
-                   *train_drafter_args(cfg)]
+                   *target_options, *train_drafter_args(cfg)]
         # stdout to a file, not a pipe: the result's JSON (its history grows with the run) could fill a
         # pipe that is read only at the end. stderr, the processes' logs, goes to the daemon's.
         with printed.open("wb") as stdout:

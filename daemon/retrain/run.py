@@ -126,7 +126,8 @@ class RetrainRun:
             cfg = train_config(loop.policy.training, self.dir / "challenger", warm, _seed(self.run_id),
                                _dtype_name(loop.target))
             result = train_challenger(cfg, loop.target.model, loop.base_model, prepared.train, self.should_stop,
-                                      self.stop, loop.policy.training.processes, loop.target.source)
+                                      self.stop, loop.policy.training.processes, loop.target.source,
+                                      loop.target.weights)
         with self._step("evaluate"):
             contest = run_contest(loop.target.model, loop.base_model, prepared.heldout, result.artifact,
                                   champion_dir, prepared.slice_keys)
