@@ -41,9 +41,8 @@ class StreamOptions(BaseModel):
 
 
 # Fields of OpenAI's API that are not built yet, with what they would ask for: each is accepted at
-# its neutral values only (of the same type: a completion's `logprobs: 0` asks for the sampled
-# tokens' log-probabilities, a chat's `false` does not). Types are checked first, so a wrong type is
-# named as such.
+# its neutral values only, of the same type (`best_of: true` is not 1). Types are checked first, so a
+# wrong type is named as such.
 _NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "presence_penalty": ((None, 0.0), "a presence penalty"),
     "frequency_penalty": ((None, 0.0), "a frequency penalty"),
