@@ -23,6 +23,7 @@ callbacks (flushing trace capture). Request orchestration lives in `serving.py`.
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import aclosing, asynccontextmanager
@@ -369,12 +370,16 @@ class _Echo:
 
     def __init__(self, ctx: ServingContext, body: CompletionRequest, prompt_ids: list[int]) -> None:
         self.ctx, self.prompt_ids = ctx, prompt_ids
-        self.decoded, self.offsets = prompt_entries(ctx.tokenizer, prompt_ids, [None] * len(prompt_ids))
-        self.text = body.prompt if isinstance(body.prompt, str) else self.decoded
+        self.text = body.prompt if isinstance(body.prompt, str) else self._decoded[0]
+
+    @functools.cached_property
+    def _decoded(self) -> tuple[str, list[tuple[int, None, int]]]:
+        # Token by token, so only when needed: token-id prompts, or log-probabilities with their offsets.
+        return prompt_entries(self.ctx.tokenizer, self.prompt_ids, [None] * len(self.prompt_ids))
 
     def entries(self, gen: Generation) -> list[tuple[int, object, int]]:
         scored = gen.prompt_logprobs or [None] * len(self.prompt_ids)
-        return [(offset, entry, token) for (offset, _, token), entry in zip(self.offsets, scored, strict=True)]
+        return [(offset, entry, token) for (offset, _, token), entry in zip(self._decoded[1], scored, strict=True)]
 
 
 def _completion_logprobs(ctx: ServingContext, gen: Generation, echo: _Echo | None, shift: int,
