@@ -1,10 +1,10 @@
 """Decode throughput of NVFP4 weights on SmolLM2-135M-Instruct: specloop NVFP4, specloop bf16 and
 llama.cpp Q4_1, side by side in one run.
 
-The NVFP4 models are quantized on load from the GGUF (`load_model(..., weights="nvfp4")`): the
-projections alone, and the projections with the LM head (the embedding lookup stays dense either
-way). bf16 is the same GGUF dequantized to bf16. llama.cpp runs the GGUF's own Q4_1 weights (5 bits
-per weight), batch 1 only, when `llama_cpp` is installed. Everything decodes greedily with
+The NVFP4 models are quantized on load from the GGUF (`load_model(..., WeightFormat("nvfp4"))`): the
+projections alone, and the projections with the LM head (the embedding lookup stays dense in both:
+an NVFP4 one buys no speed, docs/nvfp4.md). bf16 is the same GGUF dequantized to bf16. llama.cpp
+runs the GGUF's own Q4_1 weights (5 bits per weight), batch 1 only, when `llama_cpp` is installed. Everything decodes greedily with
 end-of-sequence ignored; batch 1 is `(N - 1) / (t(N) - t(1))` (prefill and first token taken out)
 and concurrency 8 the aggregate of 8 requests at once, each the median of `--repeats` round-robin
 rounds (`benchmarks/engine_throughput.py`, whose measurement this reuses).
@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from engine.loaders.load import default_model_path, load_for_inference
+from engine.loaders.weight_format import WeightFormat
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is not an installed package
 from benchmarks.engine_throughput import (  # noqa: E402
@@ -39,10 +40,10 @@ from benchmarks.engine_throughput import (  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "nvfp4_decode.json"
-SYSTEMS = {  # name -> load_for_inference options
-    "specloop bf16": {"weights": "dense"},
-    "specloop NVFP4": {"weights": "nvfp4", "nvfp4_lm_head": False},
-    "specloop NVFP4 + LM head": {"weights": "nvfp4", "nvfp4_lm_head": True},
+SYSTEMS = {  # name -> how the target holds its weights
+    "specloop bf16": WeightFormat(),
+    "specloop NVFP4": WeightFormat("nvfp4"),
+    "specloop NVFP4 + LM head": WeightFormat("nvfp4", lm_head=True),
 }
 
 
@@ -67,8 +68,8 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     runners: dict[tuple[str, str], Runner] = {}
     prompts = None
-    for name, options in SYSTEMS.items():
-        loaded = load_for_inference(gguf, torch.bfloat16, cpu, **options)
+    for name, weights in SYSTEMS.items():
+        loaded = load_for_inference(gguf, torch.bfloat16, cpu, weights)
         prompts = prompts or chat_prompts(loaded.tokenizer)
         runners[(name, "bfloat16")] = engine_runner(loaded.model, loaded.tokenizer.eos_token_ids)
     batch1_only = set()

@@ -7,7 +7,9 @@ share one tensor scale) and serve the dequantization (`engine/model/nvfp4_linear
 
 - `nvfp4 projections`: qkv, o, gate_up and down of every layer; the LM head stays bf16;
 - `nvfp4 projections + LM head`: the LM head too (SmolLM2 ties it to the embedding; the embedding
-  lookup stays bf16).
+  lookup stays bf16);
+- `nvfp4 projections + LM head + embedding`: the embedding lookup too (`Nvfp4Embedding`), so every
+  matrix is NVFP4 (`--nvfp4-lm-head --nvfp4-embedding`).
 
 An fp32 load of the same GGUF is a control: how far bf16's own rounding moves the model, the scale
 against which the NVFP4 distances below read.
@@ -89,7 +91,8 @@ MODULE_TYPES = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down", "lm_head")
 # Re-deriving its split gives the same 72 held-out prompts its README reports τ 1.66 on.
 EVALS_PER_TASK, EVALS_SEED, EVALS_LIMIT, EVALS_HELDOUT = 8, 0, 1536, 0.05
 EVALS_MAX_TOKENS, EVALS_MAX_LEN = 256, 1536
-BF16, FP32, NVFP4_PROJ, NVFP4_ALL = "bf16", "fp32 (control)", "nvfp4 projections", "nvfp4 projections + LM head"
+BF16, FP32, NVFP4_PROJ, NVFP4_HEAD = "bf16", "fp32 (control)", "nvfp4 projections", "nvfp4 projections + LM head"
+NVFP4_ALL = "nvfp4 projections + LM head + embedding"
 
 
 @dataclass(frozen=True)
@@ -342,6 +345,7 @@ def main() -> None:
     inputs = held_out_inputs(tok, args)
     dense = build_model(stored, torch.bfloat16, DEVICE)
     nvfp4 = quantize_model(dense)
+    embedding = quantize(dense.embed.weight)  # for tied SmolLM2 the LM head's matrix: the same codes
     sqnr = weight_sqnr(dense, nvfp4)
     del dense
     projections = {k: v for k, v in nvfp4.items() if k != "lm_head"}
@@ -349,7 +353,8 @@ def main() -> None:
     rows = [run.measure(BF16, target(stored, torch.bfloat16, {}), True),
             run.measure(FP32, target(stored, torch.float32, {}), False),
             run.measure(NVFP4_PROJ, target(stored, torch.bfloat16, projections), True),
-            run.measure(NVFP4_ALL, target(stored, torch.bfloat16, nvfp4), True)]
+            run.measure(NVFP4_HEAD, target(stored, torch.bfloat16, nvfp4), True),
+            run.measure(NVFP4_ALL, target(stored, torch.bfloat16, nvfp4 | {"embed": embedding}), True)]
     report = {
         "model": gguf.name,
         "bf16_fingerprint": fingerprint,

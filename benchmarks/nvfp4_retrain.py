@@ -46,6 +46,7 @@ from benchmarks.nvfp4_quality import drafter_heldout_evals, greedy, humaneval_ch
 from daemon.evaluation.replay import replay
 from daemon.training.sequences import TokenSequence, read_sequences
 from engine.loaders.load import LoadedModel, load_for_inference
+from engine.loaders.weight_format import WeightFormat
 from engine.model.tokenizer import Tokenizer
 from engine.model.transformer import Transformer
 from engine.speculation.combined import CombinedProposer
@@ -151,7 +152,7 @@ def target_rows(loaded: LoadedModel, trained_for: dict[str, str], sets: dict[str
         outputs = greedy(loaded.model, prompts, args.new_tokens, args.concurrency, loaded.tokenizer.eos_token_ids)
         rows[set_name] = {"prompts": len(prompts), "generated_tokens": sum(map(len, outputs)),
                           "tau": measure(loaded.model, drafters, prompts, outputs)}
-    return {"fingerprint": loaded.fingerprint, "weights": loaded.weights, "dtype": str(loaded.model.dtype),
+    return {"fingerprint": loaded.fingerprint, **loaded.weights.card(), "dtype": str(loaded.model.dtype),
             "sets": rows, "seconds": round(time.perf_counter() - started, 1)}
 
 
@@ -161,7 +162,7 @@ def main() -> None:
     argv = commands(args)
     steps = {"generate": run_step("generate", argv["generate"], args.work / "data" / "stats.json"),
              "train-drafter": run_step("train-drafter", argv["train-drafter"], args.work / "drafter" / "drafter.json")}
-    nvfp4 = load_for_inference(None, torch.bfloat16, DEVICE, weights="nvfp4")
+    nvfp4 = load_for_inference(None, torch.bfloat16, DEVICE, WeightFormat("nvfp4"))
     sets = prompt_sets(nvfp4.tokenizer, args.eval_prompts)
     train = read_sequences([args.work / "data" / "train.jsonl"])
     leaked = {tuple(p) for ps in sets.values() for p in ps} & {s.prompt for s in train}

@@ -29,6 +29,7 @@ from daemon.training.cli import train_drafter_args
 from daemon.training.config import TrainConfig
 from daemon.training.sequences import TokenSequence, write_jsonl
 from daemon.training.trainer import Trainer, TrainResult
+from engine.loaders.weight_format import DENSE, WeightFormat
 from engine.model.transformer import Transformer
 from storage.child_process import die_with_parent
 
@@ -74,14 +75,13 @@ def train_config(training: Training, out_dir: Path, warm_start: Path | None, see
 
 def train_challenger(cfg: TrainConfig, target: Transformer, base_model: str, sequences: list[TokenSequence],
                      should_stop: Callable[[], str | None], stop: threading.Event, processes: int = 1,
-                     model_source: Path | None = None, weights: str = "dense") -> TrainResult:
+                     model_source: Path | None = None, weights: WeightFormat = DENSE) -> TrainResult:
     """Train and write the artifact to `cfg.out_dir`; RunStopped when `should_stop()` gives a reason. With
-    `processes` > 1, under torchrun, each process loading the target from `model_source` with the same
-    `weights` ("nvfp4": NVFP4 projections, and an NVFP4 LM head when `target` has one)."""
+    `processes` > 1, under torchrun, each process loading the target from `model_source` as `weights`."""
     if processes > 1:
         assert model_source is not None, "the processes under torchrun load the target from its source"
-        options = ["--weights", weights] + (["--nvfp4-lm-head"] if hasattr(target.lm_head, "q") else [])
-        return _train_under_torchrun(cfg, target, model_source, processes, sequences, should_stop, stop, options)
+        return _train_under_torchrun(cfg, target, model_source, processes, sequences, should_stop, stop,
+                                     weights.cli_options())
     trainer = Trainer(cfg, target, base_model, sequences)
     last_report = time.monotonic()
     reason = None

@@ -60,6 +60,9 @@ def daemon(
         help="dense or nvfp4, as the engines serve the target [env SPECLOOP_WEIGHTS]")] = None,
     nvfp4_lm_head: Annotated[bool | None, typer.Option(
         "--nvfp4-lm-head/--no-nvfp4-lm-head", help="As the engines serve it [env SPECLOOP_NVFP4_LM_HEAD]")] = None,
+    nvfp4_embedding: Annotated[bool | None, typer.Option(
+        "--nvfp4-embedding/--no-nvfp4-embedding", help="As the engines serve it [env SPECLOOP_NVFP4_EMBEDDING]")]
+    = None,
     work_dir: Annotated[Path | None, typer.Option(help="Runs' datasets and challengers")] = None,
     host: Annotated[str | None, typer.Option(help="Interface for /health and /metrics (default 127.0.0.1)")] = None,
     port: Annotated[int | None, typer.Option(help="Port for /health and /metrics (default 8100)")] = None,
@@ -70,7 +73,7 @@ def daemon(
     settings, retrain_policy = _daemon_settings({
         "policy": policy, "registry": registry, "traces_root": traces_root, "consent_db": consent_db,
         "state_db": state_db, "engines": engine, "model": model, "weights": weights, "nvfp4_lm_head": nvfp4_lm_head,
-        "work_dir": work_dir, "host": host, "port": port, "plot": plot})
+        "nvfp4_embedding": nvfp4_embedding, "work_dir": work_dir, "host": host, "port": port, "plot": plot})
     run_daemon(settings, retrain_policy)
 
 
@@ -85,7 +88,7 @@ def run_daemon(settings: Any, policy: Any) -> None:
     from engine.loaders.load import load_for_inference, resolve_device
 
     target = load_for_inference(settings.model, getattr(torch, training_dtype(policy.training.dtype)),
-                                resolve_device(None), weights=settings.weights, nvfp4_lm_head=settings.nvfp4_lm_head)
+                                resolve_device(None), settings.weight_format())
     uvicorn.run(daemon_app(RetrainDaemon(settings, policy, target)), host=settings.host, port=settings.port,
                 log_config=None)
 

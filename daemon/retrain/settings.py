@@ -5,7 +5,8 @@ variables and `specloop daemon` options, validated once.
 engines follow), `SPECLOOP_TRACES_ROOT` (the sink's Parquet root), `SPECLOOP_CONSENT_DB` (the consent
 registry), `SPECLOOP_DAEMON_STATE_DB` (its own database: lease, run log, history, job store, live τ),
 `SPECLOOP_DAEMON_ENGINES` (engine base URLs, comma-separated, whose /metrics give live τ),
-`SPECLOOP_MODEL`, `SPECLOOP_WEIGHTS` and `SPECLOOP_NVFP4_LM_HEAD` (the target, as the engines serve it:
+`SPECLOOP_MODEL`, `SPECLOOP_WEIGHTS`, `SPECLOOP_NVFP4_LM_HEAD` and `SPECLOOP_NVFP4_EMBEDDING` (the
+target, as the engines serve it:
 the same variables the server reads, so an NVFP4 engine's drafters are trained on the NVFP4 target,
 whose fingerprint they carry), `SPECLOOP_DAEMON_WORK_DIR` (datasets and
 challengers of each run), `SPECLOOP_DAEMON_HOST`/`_PORT` (its /health and /metrics),
@@ -17,8 +18,10 @@ Not here: the policy itself (`policy.py`: when and how to retrain), the engine's
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AliasChoices, Field, field_validator
+from pydantic import AliasChoices, Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from engine.loaders.weight_format import WeightFormat, nvfp4_part
 
 
 def _env(*names: str) -> AliasChoices:
@@ -39,6 +42,7 @@ class DaemonSettings(BaseSettings):
     model: str | None = Field(None, validation_alias=_env("model", "SPECLOOP_MODEL"))
     weights: Literal["dense", "nvfp4"] = Field("dense", validation_alias=_env("weights", "SPECLOOP_WEIGHTS"))
     nvfp4_lm_head: bool = Field(False, validation_alias=_env("nvfp4_lm_head", "SPECLOOP_NVFP4_LM_HEAD"))
+    nvfp4_embedding: bool = Field(False, validation_alias=_env("nvfp4_embedding", "SPECLOOP_NVFP4_EMBEDDING"))
     work_dir: Path = Field(Path("data/daemon/runs"), validation_alias=_env("work_dir", "SPECLOOP_DAEMON_WORK_DIR"))
     host: str = Field("127.0.0.1", validation_alias=_env("host", "SPECLOOP_DAEMON_HOST"))
     port: int = Field(8100, ge=0, le=65535, validation_alias=_env("port", "SPECLOOP_DAEMON_PORT"))
@@ -48,6 +52,15 @@ class DaemonSettings(BaseSettings):
     lease_ttl_s: float = Field(60.0, gt=0, validation_alias=_env("lease_ttl_s", "SPECLOOP_DAEMON_LEASE_TTL_S"))
     # A PNG of live τ per drafter version with promotions and rollbacks marked, redrawn every minute.
     plot: Path | None = Field(None, validation_alias=_env("plot", "SPECLOOP_DAEMON_PLOT"))
+
+    @field_validator("nvfp4_lm_head", "nvfp4_embedding")
+    @classmethod
+    def _needs_nvfp4_weights(cls, asked: bool, info: ValidationInfo) -> bool:
+        return nvfp4_part(asked, info.data.get("weights"))
+
+    def weight_format(self) -> WeightFormat:
+        """The target's weights, as the engines serve it."""
+        return WeightFormat(self.weights, self.nvfp4_lm_head, self.nvfp4_embedding)
 
     @field_validator("engines", mode="before")
     @classmethod

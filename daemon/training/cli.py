@@ -20,11 +20,12 @@ import json
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, get_type_hints
+from typing import TYPE_CHECKING, Annotated, Any, get_type_hints
 
 import typer
 
 from daemon.training.config import Option, TrainConfig
+from engine.loaders.weight_format import WeightFormat, WeightKind
 
 if TYPE_CHECKING:  # the commands import torch only when they run
     from engine.loaders.load import LoadedModel
@@ -33,13 +34,22 @@ _DATA = typer.Option(help="JSONL or Parquet file/directory with prompt_token_ids
 _MODEL = typer.Option(help="Target model: Hugging Face directory or .gguf file (default: SmolLM2-135M GGUF)")
 _DEVICE = typer.Option(help="auto, cpu, cuda, cuda:N (default: auto, a GPU when there is one)")
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
-# The target's weights as `engine.loaders.load.load_for_inference` takes them (not imported: it loads torch).
-# An NVFP4 target is another base model (its own fingerprint), so data, drafters and τ are its own.
-Weights = Literal["dense", "nvfp4"]
+# The target's weights (engine/loaders/weight_format.py). An NVFP4 target is another base model (its
+# own fingerprint), so data, drafters and τ are its own.
 WEIGHTS_OPTION = typer.Option(help="Target weights: dense, or nvfp4 (projections quantized to NVFP4 on load, "
                                    "or an NVFP4 checkpoint's own)")
 NVFP4_LM_HEAD_OPTION = typer.Option("--nvfp4-lm-head/--no-nvfp4-lm-head",
                                     help="With --weights nvfp4, the LM head in NVFP4 too")
+NVFP4_EMBEDDING_OPTION = typer.Option("--nvfp4-embedding/--no-nvfp4-embedding",
+                                      help="With --weights nvfp4, the token embedding in NVFP4 too")
+
+
+def weight_format(weights: str, nvfp4_lm_head: bool, nvfp4_embedding: bool) -> WeightFormat:
+    """The three options as one checked choice."""
+    try:
+        return WeightFormat(weights, nvfp4_lm_head, nvfp4_embedding)  # type: ignore[arg-type]
+    except ValueError as e:  # an NVFP4 head or embedding without NVFP4 weights
+        raise typer.BadParameter(str(e)) from e
 
 
 def register(app: typer.Typer) -> None:
@@ -47,8 +57,7 @@ def register(app: typer.Typer) -> None:
     app.command("eval-drafter")(eval_drafter)
 
 
-def _target(model: str | None, dtype: str, device: str | None, weights: Weights = "dense",
-            nvfp4_lm_head: bool = False) -> LoadedModel:
+def _target(model: str | None, dtype: str, device: str | None, weights: WeightFormat) -> LoadedModel:
     """The frozen target, with CPU-inference linears (the drafter only borrows its weights)."""
     import torch
 
@@ -57,8 +66,8 @@ def _target(model: str | None, dtype: str, device: str | None, weights: Weights 
     if dtype not in _DTYPES:
         raise typer.BadParameter(f"--dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     try:
-        return load_for_inference(model, getattr(torch, dtype), resolve_device(device), weights, nvfp4_lm_head)
-    except ValueError as e:  # an NVFP4 LM head without NVFP4 weights, a checkpoint without one
+        return load_for_inference(model, getattr(torch, dtype), resolve_device(device), weights)
+    except ValueError as e:  # a model that is not there, a layer NVFP4 cannot hold
         raise typer.BadParameter(str(e)) from e
 
 
@@ -123,8 +132,9 @@ def train_drafter(
     model: Annotated[str | None, _MODEL] = None,
     dtype: str = "float32",
     device: Annotated[str | None, _DEVICE] = None,
-    weights: Annotated[Weights, WEIGHTS_OPTION] = "dense",
+    weights: Annotated[WeightKind, WEIGHTS_OPTION] = "dense",
     nvfp4_lm_head: Annotated[bool, NVFP4_LM_HEAD_OPTION] = False,
+    nvfp4_embedding: Annotated[bool, NVFP4_EMBEDDING_OPTION] = False,
     **options: Any,  # TrainConfig's options (`_with_config_options`)
 ) -> None:
     """Train a DFlash drafter on the target's own outputs and write the artifact to OUT."""
@@ -138,7 +148,7 @@ def train_drafter(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     with distributed.process_group(device) as this_device:
-        loaded = _target(model, dtype, this_device, weights, nvfp4_lm_head)
+        loaded = _target(model, dtype, this_device, weight_format(weights, nvfp4_lm_head, nvfp4_embedding))
         try:
             trainer = Trainer(cfg, loaded.model, loaded.fingerprint, sequences)
         except ValueError as e:  # unusable data, a checkpoint of another run, a warm start of another shape
@@ -166,8 +176,9 @@ def eval_drafter(
     model: Annotated[str | None, _MODEL] = None,
     dtype: str = "float32",
     device: Annotated[str | None, _DEVICE] = None,
-    weights: Annotated[Weights, WEIGHTS_OPTION] = "dense",
+    weights: Annotated[WeightKind, WEIGHTS_OPTION] = "dense",
     nvfp4_lm_head: Annotated[bool, NVFP4_LM_HEAD_OPTION] = False,
+    nvfp4_embedding: Annotated[bool, NVFP4_EMBEDDING_OPTION] = False,
     limit: Annotated[int | None, typer.Option(help="Use only the first N sequences")] = None,
     batch_size: int = 8,
     generate: Annotated[bool, typer.Option(help="Also measure by real speculative generation on the engine")] = False,
@@ -190,7 +201,7 @@ def eval_drafter(
         raise typer.BadParameter("--data holds no sequences")
     if concurrency <= 0:
         raise typer.BadParameter(f"--concurrency must be > 0, got {concurrency}")
-    loaded = _target(model, dtype, device, weights, nvfp4_lm_head)
+    loaded = _target(model, dtype, device, weight_format(weights, nvfp4_lm_head, nvfp4_embedding))
     nb = (ngram_block_size or block_size or first_block) if ngram else None
     try:
         report = compare(loaded.model, loaded.fingerprint, sequences, drafters, nb, combined, block_size,

@@ -22,7 +22,8 @@ from typing import Annotated, Literal
 
 import typer
 
-from daemon.training.cli import NVFP4_LM_HEAD_OPTION, WEIGHTS_OPTION, Weights
+from daemon.training.cli import NVFP4_EMBEDDING_OPTION, NVFP4_LM_HEAD_OPTION, WEIGHTS_OPTION, weight_format
+from engine.loaders.weight_format import WeightKind
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,9 @@ def generate(
     max_len: Annotated[int, typer.Option(help="Context length; longer prompts are skipped")] = 1536,
     model: Annotated[str | None, typer.Option(help="HF directory or .gguf (default: SmolLM2 GGUF)")] = None,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16")] = "bfloat16",
-    weights: Annotated[Weights, WEIGHTS_OPTION] = "dense",
+    weights: Annotated[WeightKind, WEIGHTS_OPTION] = "dense",
     nvfp4_lm_head: Annotated[bool, NVFP4_LM_HEAD_OPTION] = False,
+    nvfp4_embedding: Annotated[bool, NVFP4_EMBEDDING_OPTION] = False,
     seed: Annotated[int, typer.Option(help="Prompt sampling seed")] = 0,
     chunk: Annotated[int, typer.Option(help="Prompts answered between appends to the output files")] = 512,
     resume: Annotated[bool, typer.Option(help="Keep existing output files and skip prompts already answered")] = False,
@@ -72,9 +74,10 @@ def generate(
         answered_before = {s.prompt for s in read_sequences(skip_answered_in or [])}
     except ValueError as e:
         raise typer.BadParameter(f"--skip-answered-in: {e}") from e
+    fmt = weight_format(weights, nvfp4_lm_head, nvfp4_embedding)
     try:
-        loaded = load_for_inference(model, getattr(torch, dtype), resolve_device(), weights, nvfp4_lm_head)
-    except ValueError as e:  # an NVFP4 LM head without NVFP4 weights, a checkpoint without one
+        loaded = load_for_inference(model, getattr(torch, dtype), resolve_device(), fmt)
+    except ValueError as e:  # a model that is not there, a layer NVFP4 cannot hold
         raise typer.BadParameter(str(e)) from e
     max_len = min(max_len, loaded.model.config.max_position)
     if source == "humaneval":
@@ -114,7 +117,7 @@ def generate(
     stats = {"source": source, "prompts": sum(counts), "train": counts[0], "heldout": counts[1],
              "skipped_already_answered": skipped, "response_tokens": tokens, "seconds": round(seconds, 1),
              "tokens_per_second": round(tokens / max(seconds, 1e-9), 1), "concurrency": concurrency,
-             "dtype": dtype, "weights": loaded.weights, "nvfp4_lm_head": nvfp4_lm_head,
+             "dtype": dtype, **loaded.weights.card(),
              "base_model": loaded.fingerprint, "source_base_model": loaded.source_fingerprint,
              "digest": digest(read_sequences(files))}
     (out / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")

@@ -1,7 +1,8 @@
 """`specloop quantize`: convert a model (Hugging Face directory or GGUF) into an NVFP4 checkpoint.
 
 The output is a new Hugging Face directory in either layout (`engine/loaders/nvfp4_checkpoint.py`)
-that the loaders read back, `specloop serve --weights nvfp4` serves, and vLLM loads. This file only
+that the loaders read back, `specloop serve --weights nvfp4` serves, and vLLM loads; the embedding
+stays dense in it (`--nvfp4-embedding` quantizes it on load). This file only
 wires the command to `engine/loaders/quantize.py`; torch and the loaders are imported when it runs,
 so `specloop --help` stays fast.
 """
@@ -36,6 +37,8 @@ def quantize(
     try:
         check_output_dir(out)  # before the seconds of reading and quantizing
         path, source = read_stored_model(None if src == _DEFAULT_SOURCE else src)
+        if source.nvfp4 is not None:
+            raise ValueError(f"model: {source.name} is already NVFP4")
         log.info("quantizing %s to NVFP4 (%s, LM head %s)", path, layout, "NVFP4" if lm_head else "dense")
         model = quantized_stored_model(source, lm_head)
         write_nvfp4_checkpoint(out, model, layout)

@@ -1,9 +1,13 @@
 """Quantizing a model's weights to NVFP4: on load, or into a checkpoint (`specloop quantize`), and
 fitting NVFP4 weights by Hugging Face name to the `Transformer`'s fused modules.
 
-Every attention and MLP projection is quantized, and the LM head when asked; norms, the embedding
-and biases stay dense. With tied embeddings the LM head is the embedding matrix: quantizing it gives
-the head its own NVFP4 weights (the model becomes untied) while the embedding lookup stays dense.
+Every attention and MLP projection is quantized, and the LM head and the token embedding when asked
+(`weight_format.py`); norms and biases stay dense. With tied embeddings one matrix is both the
+embedding and the LM head: quantizing either unties the model, so that each holds its own weights,
+NVFP4 or dense, and every way of asking for the same weights (on load, or a checkpoint plus on load)
+arrives at the same model and fingerprint. An NVFP4 checkpoint's quantized weights are kept as
+they are; what it holds densely and the format asks for is quantized on load. Checkpoints never
+hold an NVFP4 embedding: neither layout's readers (vLLM) know one, so it is quantized on load only.
 
 Layers the `Transformer` fuses into one GEMM (q/k/v into `attn.qkv`, gate/up into `mlp.gate_up`)
 share one tensor scale, from the amax of all of them, so the fused NVFP4 weight is just their rows
@@ -32,10 +36,10 @@ from kernels.nvfp4 import BLOCK, E2M1_MAX, E4M3_MAX, NVFP4Weight, dequantize, qu
 log = logging.getLogger(__name__)
 
 LM_HEAD = "lm_head.weight"
-_EMBEDDING = "model.embed_tokens.weight"
+EMBEDDING = "model.embed_tokens.weight"
 
 
-def fusion_groups(config: ModelConfig, lm_head: bool) -> list[tuple[str, list[str]]]:
+def fusion_groups(config: ModelConfig, lm_head: bool, embedding: bool = False) -> list[tuple[str, list[str]]]:
     """(Transformer module path, the Hugging Face weights it stacks, in row order) for every linear
     module that NVFP4 quantizes, as `Transformer.load_hf_state_dict` fuses them."""
     groups = []
@@ -45,7 +49,7 @@ def fusion_groups(config: ModelConfig, lm_head: bool) -> list[tuple[str, list[st
                    (f"layers.{i}.attn.o", [f"{p}self_attn.o_proj.weight"]),
                    (f"layers.{i}.mlp.gate_up", [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]),
                    (f"layers.{i}.mlp.down", [f"{p}mlp.down_proj.weight"])]
-    return groups + ([("lm_head", [LM_HEAD])] if lm_head else [])
+    return groups + ([("lm_head", [LM_HEAD])] if lm_head else []) + ([("embed", [EMBEDDING])] if embedding else [])
 
 
 def shared_tensor_scale(weights: list[torch.Tensor]) -> torch.Tensor:
@@ -62,13 +66,16 @@ def shared_tensor_scale(weights: list[torch.Tensor]) -> torch.Tensor:
     return torch.reciprocal(torch.reciprocal(scale))
 
 
-def quantize_state_dict(weights: dict[str, torch.Tensor], config: ModelConfig,
-                        lm_head: bool) -> dict[str, NVFP4Weight]:
-    """NVFP4 of every projection in `weights` (Hugging Face names), and of the LM head when `lm_head`
-    (the embedding matrix when tied, under `lm_head.weight`); fused layers share a tensor scale."""
-    sources = {LM_HEAD: _EMBEDDING} if config.tie_word_embeddings else {}
+def quantize_state_dict(weights: dict[str, torch.Tensor], config: ModelConfig, lm_head: bool, embedding: bool = False,
+                        skip: frozenset[str] = frozenset()) -> dict[str, NVFP4Weight]:
+    """NVFP4 of every projection in `weights` (Hugging Face names), of the LM head when `lm_head` (the
+    embedding matrix when tied, under `lm_head.weight`) and of the embedding when `embedding`; fused
+    layers share a tensor scale. Layers whose weights are all in `skip` are left out."""
+    sources = {LM_HEAD: EMBEDDING} if config.tie_word_embeddings else {}
     quantized = {}
-    for _, names in fusion_groups(config, lm_head):
+    for _, names in fusion_groups(config, lm_head, embedding):
+        if skip.issuperset(names):
+            continue
         group = [_weight(weights, sources.get(n, n)) for n in names]
         scale = shared_tensor_scale(group)
         quantized |= {n: quantize(w, tensor_scale=scale) for n, w in zip(names, group)}
@@ -84,22 +91,27 @@ def _weight(weights: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return w
 
 
-def quantized_stored_model(source: StoredModel, lm_head: bool) -> StoredModel:
-    """`source` (a dense model) with its projections, and the LM head when `lm_head`, in NVFP4."""
-    if source.nvfp4 is not None:
-        raise ValueError(f"model: {source.name} is already NVFP4")
-    quantized = quantize_state_dict(source.weights, source.config, lm_head)
-    config = source.config
-    if lm_head and config.tie_word_embeddings:
+def quantized_stored_model(source: StoredModel, lm_head: bool, embedding: bool = False) -> StoredModel:
+    """`source` with its projections, and its LM head and embedding when asked, in NVFP4: a dense
+    model quantized, or an NVFP4 checkpoint with what it holds densely and is asked for added."""
+    held = source.nvfp4 or {}
+    added = quantize_state_dict(source.weights, source.config, lm_head, embedding, frozenset(held))
+    if source.nvfp4 is not None and not added:
+        return source
+    config, weights = source.config, source.weights
+    if config.tie_word_embeddings and (lm_head or embedding):
         config = dataclasses.replace(config, tie_word_embeddings=False)
-    dense = {n: w for n, w in source.weights.items() if n not in quantized}
-    return nvfp4_stored_model(config, dense, quantized, source.tokenizer, source.name, source.fingerprint)
+        weights = weights | {LM_HEAD: weights[EMBEDDING]}
+    quantized = held | added
+    dense = {n: w for n, w in weights.items() if n not in quantized}
+    lineage = source.fingerprint if source.nvfp4 is None else source.source_fingerprint
+    return nvfp4_stored_model(config, dense, quantized, source.tokenizer, source.name, lineage)
 
 
 def fuse_for_transformer(quantized: dict[str, NVFP4Weight], config: ModelConfig) -> dict[str, NVFP4Weight]:
     """NVFP4 weights by Hugging Face name -> by `Transformer` module path, q/k/v and gate/up stacked
     (re-quantized with one tensor scale, and a warning, where their scales differ)."""
-    groups = fusion_groups(config, LM_HEAD in quantized)
+    groups = fusion_groups(config, LM_HEAD in quantized, EMBEDDING in quantized)
     unknown = sorted(quantized.keys() - {n for _, names in groups for n in names})
     if unknown:
         raise ValueError(f"NVFP4 weights of no linear layer the model runs: {unknown[:5]}")
@@ -136,11 +148,12 @@ def write_nvfp4_checkpoint(out: Path, model: StoredModel, layout: str) -> None:
     layout = check_layout(layout)
     check_output_dir(out)
     assert model.nvfp4 is not None, "write_nvfp4_checkpoint needs an NVFP4 model"
+    assert EMBEDDING not in model.nvfp4, "checkpoints hold the embedding densely (see the module docstring)"
     ignore = ["lm_head"] if LM_HEAD not in model.nvfp4 else []
     dense = {n: w.contiguous() for n, w in model.weights.items() if n not in model.nvfp4}
     out.mkdir(parents=True, exist_ok=True)
     save_file(dense | to_tensors(model.nvfp4, layout), out / "model.safetensors", metadata={"format": "pt"})
-    config = hf_config(model.config, model.weights[_EMBEDDING].dtype)
+    config = hf_config(model.config, model.weights[EMBEDDING].dtype)
     config["quantization_config"] = quantization_config(layout, ignore)
     config["specloop"] = {"source_fingerprint": model.source_fingerprint, "nvfp4_lm_head": LM_HEAD in model.nvfp4}
     write_json(out / "config.json", config)

@@ -2,8 +2,9 @@
 
 `apply_nvfp4(model, weights)` replaces the named `nn.Linear` modules of a model (module paths as
 `Transformer.named_modules` gives them: `layers.0.attn.qkv`, `layers.0.mlp.gate_up`, `lm_head`, ...)
-by `Nvfp4Linear`s built from their NVFP4 weights. A fused module (qkv, gate_up) is one NVFP4 tensor
-with one tensor scale, as vLLM requires of the layers it fuses.
+by `Nvfp4Linear`s built from their NVFP4 weights, and a named `nn.Embedding` (`embed`) by an
+`Nvfp4Embedding` (`nvfp4_embedding.py`). A fused module (qkv, gate_up) is one NVFP4 tensor with one
+tensor scale, as vLLM requires of the layers it fuses.
 
 `Nvfp4Linear` keeps the NVFP4 weight (what the kernels read) and its dequantization in the model's
 dtype (what passes of many rows read: prefill chunks, where a dense GEMM reuses every weight across
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.nvfp4_embedding import Nvfp4Embedding
 from kernels.nvfp4 import NVFP4Weight, dequantize
 
 _TRITON_ROWS = 64  # kernels/nvfp4_triton.py's MAX_ROWS, without importing triton on CPU-only machines
@@ -49,18 +51,24 @@ def linear_modules(model: nn.Module) -> dict[str, nn.Linear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
 
 
+def quantizable_modules(model: nn.Module) -> dict[str, nn.Linear | nn.Embedding]:
+    """The model's `nn.Linear` and `nn.Embedding` modules by module path."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear | nn.Embedding)}
+
+
 def apply_nvfp4(model: nn.Module, weights: dict[str, NVFP4Weight]) -> None:
-    """Replace each named linear module by an `Nvfp4Linear` of its NVFP4 weight, in place."""
-    linears = linear_modules(model)
-    unknown = sorted(set(weights) - set(linears))
+    """Replace each named linear or embedding module by its NVFP4 form, in place."""
+    modules = quantizable_modules(model)
+    unknown = sorted(set(weights) - set(modules))
     if unknown:
         raise ValueError(f"NVFP4 weights for modules the model does not have: {unknown[:5]}")
     for name, q in weights.items():
-        old = linears[name]
+        old = modules[name]
         if q.shape != tuple(old.weight.shape):
             raise ValueError(f"{name}: NVFP4 weight {q.shape} does not match the module's {tuple(old.weight.shape)}")
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        q = NVFP4Weight(q.packed.to(old.weight.device), q.block_scale.to(old.weight.device),
-                        q.tensor_scale.to(old.weight.device))
-        setattr(parent, attr, Nvfp4Linear(q, old.bias, old.weight.dtype))
+        device, dtype = old.weight.device, old.weight.dtype
+        q = NVFP4Weight(q.packed.to(device), q.block_scale.to(device), q.tensor_scale.to(device))
+        new = Nvfp4Embedding(q, dtype) if isinstance(old, nn.Embedding) else Nvfp4Linear(q, old.bias, dtype)
+        setattr(parent, attr, new)

@@ -105,13 +105,15 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)  # [T, D] fp32
         self.fused_decoder = None  # set by `engine.cpu.fused_decode.attach` for small cached passes on the CPU
 
+    # The final norm's weight, not the embedding's, gives device and dtype: an NVFP4 embedding
+    # (engine/model/nvfp4_embedding.py) has no dense weight to read.
     @property
     def device(self) -> torch.device:
-        return self.embed.weight.device
+        return self.norm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.weight.dtype
+        return self.norm.weight.dtype
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, batch: AttnBatch | None = None,
                 taps: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -255,7 +255,7 @@ def _openai_router(ctx: ServingContext) -> APIRouter:
     async def models() -> ModelList:
         card = ModelCard(id=ctx.model, created=created, fingerprint=ctx.fingerprint,
                          max_model_len=ctx.engine.config.max_len, drafter_version=ctx.engine.drafter_version,
-                         weights=ctx.weights, quantized_from=ctx.quantized_from)
+                         quantized_from=ctx.quantized_from, **ctx.weights.card())
         return ModelList(data=[card])
 
     @router.post("/completions", response_model=None)

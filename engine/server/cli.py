@@ -55,6 +55,9 @@ def serve(
     nvfp4_lm_head: Annotated[bool | None, typer.Option(
         "--nvfp4-lm-head/--no-nvfp4-lm-head", help="With --weights nvfp4, quantize the LM head too (default: off)")]
     = None,
+    nvfp4_embedding: Annotated[bool | None, typer.Option(
+        "--nvfp4-embedding/--no-nvfp4-embedding",
+        help="With --weights nvfp4, hold the token embedding in NVFP4 too, quantized on load (default: off)")] = None,
     num_slots: Annotated[int | None, typer.Option(help="Concurrent sequences (KV-cache slots) (default: 8)")] = None,
     max_len: Annotated[int | None, typer.Option(help="Context length per sequence (default: 2048)")] = None,
     drafter: Annotated[Path | None, typer.Option(help="DFlash drafter artifact directory")] = None,
@@ -109,8 +112,7 @@ def build_server(settings: ServerSettings) -> tuple["FastAPI", "LoadedModel"]:
     log.info("loading %s as %s on %s", settings.model or "the default SmolLM2 GGUF", settings.dtype, device)
 
     def load() -> tuple["LoadedModel", "LLMEngine"]:
-        loaded = load_for_inference(settings.model, dtype, device, weights=settings.weights,
-                                    nvfp4_lm_head=settings.nvfp4_lm_head)
+        loaded = load_for_inference(settings.model, dtype, device, settings.weight_format())
         proposer, version = _proposer(settings, loaded)
         engine = LLMEngine(loaded.model, settings.engine_config(), loaded.tokenizer.eos_token_ids, proposer, thread,
                            drafter_version=version)

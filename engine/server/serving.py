@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from engine.loaders.weight_format import DENSE, WeightFormat
 from engine.model.tokenizer import Tokenizer
 from engine.runtime.grammar import Grammar, GrammarCompiler
 from engine.runtime.llm_engine import LLMEngine
@@ -69,7 +70,7 @@ class ServingContext:
     model: str
     fingerprint: str
     on_finish: FinishHook | None = None
-    weights: str = "dense"  # "nvfp4" when the projections are served from NVFP4 weights
+    weights: WeightFormat = DENSE  # dense, or which parts are served from NVFP4 weights
     quantized_from: str | None = None  # the source model's fingerprint, for an NVFP4 model
     grammars: GrammarCompiler | None = None  # structured output (None: the API builds none)
 

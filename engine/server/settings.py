@@ -10,8 +10,10 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from engine.loaders.weight_format import WeightFormat, nvfp4_part
 
 if TYPE_CHECKING:  # torch and the engine load inside the methods: `specloop --help` imports this file
     import torch
@@ -36,7 +38,8 @@ class ServerSettings(BaseSettings):
     # dense model or read from an NVFP4 checkpoint (compressed-tensors or ModelOpt); "dense": as stored.
     # An NVFP4 model is another base model (its own fingerprint), so drafters are trained for it apart.
     weights: Literal["dense", "nvfp4"] = "dense"
-    nvfp4_lm_head: bool = False  # with weights "nvfp4", quantize the LM head too (the embedding stays dense)
+    nvfp4_lm_head: bool = False  # with weights "nvfp4", the LM head in NVFP4 too
+    nvfp4_embedding: bool = False  # with weights "nvfp4", the token embedding in NVFP4 too (memory, not speed)
     num_slots: int = Field(8, ge=1)
     max_len: int = Field(2048, ge=2)
     max_prefill_tokens: int = Field(2048, ge=1)
@@ -104,6 +107,14 @@ class ServerSettings(BaseSettings):
         except RuntimeError as e:
             raise ValueError(f"device must be 'auto' or a torch device like 'cpu', 'cuda:0': {e}") from e
         return device
+
+    @field_validator("nvfp4_lm_head", "nvfp4_embedding")
+    @classmethod
+    def _needs_nvfp4_weights(cls, asked: bool, info: ValidationInfo) -> bool:
+        return nvfp4_part(asked, info.data.get("weights"))
+
+    def weight_format(self) -> WeightFormat:
+        return WeightFormat(self.weights, self.nvfp4_lm_head, self.nvfp4_embedding)
 
     @model_validator(mode="after")
     def _proposer_has_drafter(self) -> "ServerSettings":

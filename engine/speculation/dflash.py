@@ -204,8 +204,9 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rope(positions, fused.dtype)
         return [layer.project_kv(fused, cos, sin) for layer in self.layers]
 
-    def embed_block(self, anchors: torch.Tensor, block_size: int, embed: nn.Embedding) -> torch.Tensor:
-        """`[anchor, mask × (block_size−1)]` embeddings `[B, N·block_size, H]` for anchor tokens `[B, N]`."""
+    def embed_block(self, anchors: torch.Tensor, block_size: int, embed: nn.Module) -> torch.Tensor:
+        """`[anchor, mask × (block_size−1)]` embeddings `[B, N·block_size, H]` for anchor tokens `[B, N]`,
+        through the target's embedding (`nn.Embedding` or `Nvfp4Embedding`)."""
         B, N = anchors.shape
         if self.mask_embedding is None:
             ids = torch.full((B, N, block_size), self.config.mask_token_id, dtype=torch.long, device=anchors.device)

@@ -92,3 +92,7 @@ def test_daemon_refuses_a_bad_policy_or_missing_settings(app: typer.Typer, tmp_p
     assert out.exit_code == 2 and "gate.min_relative_gain (line 2)" in out.output, out.output
     missing = CliRunner().invoke(app, ["daemon", "--policy", str(bad)])
     assert missing.exit_code == 2 and "--registry" in missing.output, missing.output
+    monkeypatch.setenv("SPECLOOP_NVFP4_EMBEDDING", "true")  # without SPECLOOP_WEIGHTS=nvfp4
+    half = CliRunner().invoke(app, ["daemon", "--policy", str(bad), "--registry", "sqlite:///x.db"])
+    words = " ".join(half.output.replace("│", " ").split())
+    assert half.exit_code == 2 and "--nvfp4-embedding" in words and "needs weights 'nvfp4'" in words, half.output

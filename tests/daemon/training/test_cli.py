@@ -14,6 +14,7 @@ from daemon.cli import app as specloop
 from daemon.training import cli as training_cli
 from daemon.training.sequences import TokenSequence, write_jsonl
 from engine.loaders.load import LoadedModel, load_model
+from engine.loaders.weight_format import WeightFormat
 from engine.speculation.drafter_artifact import read_meta
 
 pytestmark = pytest.mark.timeout(300)
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture
 def app(smollm2: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> typer.Typer:
     # The commands load the real model themselves; reuse the session's copy instead of reloading it.
-    monkeypatch.setattr(training_cli, "_target", lambda model, dtype, device, weights, nvfp4_lm_head: smollm2)
+    monkeypatch.setattr(training_cli, "_target", lambda model, dtype, device, weights: smollm2)
     app = typer.Typer()
     training_cli.register(app)
     return app
@@ -75,14 +76,20 @@ def test_an_nvfp4_target_trains_its_own_drafter_warm_started_from_the_dense_ones
              "--heldout-fraction", "0", "--no-progress"]
     run = CliRunner().invoke(specloop, [*train, "--out", str(tmp_path / "dense")])
     assert run.exit_code == 0, run.output
-    run = CliRunner().invoke(specloop, [*train, "--out", str(tmp_path / "nvfp4"), "--weights", "nvfp4",
+    nvfp4_target = ["--weights", "nvfp4", "--nvfp4-embedding"]  # the drafter embeds its blocks by NVFP4 lookup
+    run = CliRunner().invoke(specloop, [*train, "--out", str(tmp_path / "nvfp4"), *nvfp4_target,
                                         "--init-from", str(tmp_path / "dense")])
     assert run.exit_code == 0, run.output
     dense, nvfp4 = read_meta(tmp_path / "dense"), read_meta(tmp_path / "nvfp4")
-    fingerprint = load_model(model, torch.float32, torch.device("cpu"), weights="nvfp4").fingerprint
+    fmt = WeightFormat("nvfp4", embedding=True)
+    fingerprint = load_model(model, torch.float32, torch.device("cpu"), fmt).fingerprint
     assert nvfp4["base_model_fingerprint"] == fingerprint != dense["base_model_fingerprint"]
     assert nvfp4["lineage"]["warm_start_base_model"] == dense["base_model_fingerprint"]
-    evaluate = ["eval-drafter", *data, "--weights", "nvfp4", "--no-ngram", "--no-combined", "--drafter"]
+    # From scratch too: the new drafter's mask embedding starts as the NVFP4 embedding's mean row.
+    run = CliRunner().invoke(specloop, [*train, "--out", str(tmp_path / "scratch"), *nvfp4_target])
+    assert run.exit_code == 0, run.output
+    assert read_meta(tmp_path / "scratch")["base_model_fingerprint"] == fingerprint
+    evaluate = ["eval-drafter", *data, *nvfp4_target, "--no-ngram", "--no-combined", "--drafter"]
     run = CliRunner().invoke(specloop, [*evaluate, str(tmp_path / "nvfp4")])
     assert run.exit_code == 0, run.output
     assert json.loads(run.output)["base_model_fingerprint"] == fingerprint

@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 from daemon.cli import app
 from daemon.training.sequences import read_sequences
 from engine.loaders.load import load_model
+from engine.loaders.weight_format import WeightFormat
 
 
 def test_generate_writes_a_disjoint_train_and_heldout_split(tiny_llama_dir: Path, tmp_path: Path) -> None:
@@ -73,8 +74,8 @@ def test_generate_answers_with_the_nvfp4_target(tiny_llama_dir: Path, tmp_path: 
     assert result.exit_code == 0, result.output
     stats = json.loads((tmp_path / "q" / "stats.json").read_text())
     dense = load_model(tiny_llama_dir, torch.float32, torch.device("cpu"))
-    nvfp4 = load_model(tiny_llama_dir, torch.float32, torch.device("cpu"), weights="nvfp4", nvfp4_lm_head=True)
-    assert (stats["weights"], stats["nvfp4_lm_head"]) == ("nvfp4", True)
+    nvfp4 = load_model(tiny_llama_dir, torch.float32, torch.device("cpu"), WeightFormat("nvfp4", lm_head=True))
+    assert (stats["weights"], stats["nvfp4_lm_head"], stats["nvfp4_embedding"]) == ("nvfp4", True, False)
     assert (stats["base_model"], stats["source_base_model"]) == (nvfp4.fingerprint, dense.fingerprint)
     assert nvfp4.fingerprint != dense.fingerprint
 
@@ -82,8 +83,9 @@ def test_generate_answers_with_the_nvfp4_target(tiny_llama_dir: Path, tmp_path: 
 def test_generate_refuses_bad_options(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["generate", "--out", str(tmp_path), "--dtype", "float16"])
     assert result.exit_code != 0 and "--dtype" in result.output
-    result = CliRunner().invoke(app, ["generate", "--out", str(tmp_path), "--nvfp4-lm-head"])
-    assert result.exit_code == 2 and "needs weights='nvfp4'" in " ".join(result.output.replace("│", " ").split())
+    for flag in ("--nvfp4-lm-head", "--nvfp4-embedding"):
+        result = CliRunner().invoke(app, ["generate", "--out", str(tmp_path), flag])
+        assert result.exit_code == 2 and "needs weights='nvfp4'" in " ".join(result.output.replace("│", " ").split())
     result = CliRunner().invoke(app, ["generate", "--out", str(tmp_path), "--skip-answered-in", str(tmp_path / "no.jsonl")])
     words = " ".join(result.output.replace("│", " ").split())  # the error box wraps lines
     assert result.exit_code == 2 and "--skip-answered-in: training data" in words and "does not exist" in words

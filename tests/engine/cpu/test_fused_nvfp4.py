@@ -13,6 +13,7 @@ from engine.cpu.fused_decode import supports
 from engine.cpu.linear import FP4_ROWS, CpuNvfp4Linear, optimize_for_cpu_inference
 from engine.loaders.load import load_model
 from engine.model.config import ModelConfig
+from engine.model.nvfp4_embedding import Nvfp4Embedding
 from engine.model.nvfp4_linear import Nvfp4Linear, apply_nvfp4, linear_modules
 from engine.model.transformer import Transformer
 from engine.runtime.kv_cache import AttnBatch, KVCache
@@ -32,9 +33,9 @@ CPU = torch.device("cpu")
 TOLERANCE = 2e-2
 
 
-def to_nvfp4(model: Transformer, lm_head: bool = True) -> Transformer:
-    apply_nvfp4(model, {name: quantize(m.weight) for name, m in linear_modules(model).items()
-                        if lm_head or name != "lm_head"})
+def to_nvfp4(model: Transformer, lm_head: bool = True, embedding: bool = False) -> Transformer:
+    weights = {name: quantize(m.weight) for name, m in linear_modules(model).items() if lm_head or name != "lm_head"}
+    apply_nvfp4(model, weights | ({"embed": quantize(model.embed.weight)} if embedding else {}))
     return model
 
 
@@ -92,11 +93,13 @@ def test_greedy_speculation_is_lossless(tiny_llama_dir: Path) -> None:
     assert sum(s.spec.accepted_tokens for s in out) > 0
 
 
-def test_greedy_dflash_speculation_is_lossless_on_an_nvfp4_target() -> None:
-    """The drafter reads the NVFP4 target's taps from the kernel's pass; whatever it drafts, the
-    output is the NVFP4 target's own greedy output."""
-    target = optimize_for_cpu_inference(to_nvfp4(tiny_target(hidden=64).requires_grad_(False)))
-    assert target.fused_decoder is not None
+@pytest.mark.parametrize("embedding", [False, True])
+def test_greedy_dflash_speculation_is_lossless_on_an_nvfp4_target(embedding: bool) -> None:
+    """The drafter reads the NVFP4 target's taps from the kernel's pass (and, with an NVFP4
+    embedding, its block embeddings from the NVFP4 lookup); whatever it drafts, the output is the
+    NVFP4 target's own greedy output."""
+    target = optimize_for_cpu_inference(to_nvfp4(tiny_target(hidden=64).requires_grad_(False), embedding=embedding))
+    assert target.fused_decoder is not None and isinstance(target.embed, Nvfp4Embedding) == embedding
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (9, 17, 4)]
     greedy = SamplingParams(max_tokens=24, temperature=0.0)

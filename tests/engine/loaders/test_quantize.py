@@ -1,6 +1,7 @@
 """NVFP4 quantization of a model: which weights, shared tensor scales, fitting them to the
-`Transformer`'s fused modules, `load_model(weights=...)`, the fingerprint and lineage of an NVFP4
-model, and `specloop quantize` end to end (HF and GGUF sources, refusals).
+`Transformer`'s fused modules, `load_model` with each `WeightFormat` (the embedding too), the
+fingerprint and lineage of an NVFP4 model, and `specloop quantize` end to end (HF and GGUF sources,
+refusals).
 
 Tiny random models through the real files throughout; the one test on the real SmolLM2 is marked.
 """
@@ -32,6 +33,8 @@ from engine.loaders.quantize import (
     shared_tensor_scale,
     write_nvfp4_checkpoint,
 )
+from engine.loaders.weight_format import WeightFormat
+from engine.model.nvfp4_embedding import Nvfp4Embedding
 from engine.model.nvfp4_linear import Nvfp4Linear
 from kernels.nvfp4 import dequantize, quantize
 from tests.engine.loaders.test_loaders import write_gguf_like_llama_cpp
@@ -130,13 +133,13 @@ def test_in_features_not_a_multiple_of_16_is_refused(tiny_llama_dir: Path) -> No
 
 def test_quantizing_on_load_and_both_checkpoints_are_one_model(tiny_llama_dir: Path, tmp_path: Path) -> None:
     dense = load_model(tiny_llama_dir, torch.float32, CPU)
-    on_load = load_model(tiny_llama_dir, torch.float32, CPU, weights="nvfp4")
-    assert (dense.weights, dense.source_fingerprint, on_load.weights) == ("dense", None, "nvfp4")
+    on_load = load_model(tiny_llama_dir, torch.float32, CPU, WeightFormat("nvfp4"))
+    assert (dense.weights.kind, dense.source_fingerprint, on_load.weights.kind) == ("dense", None, "nvfp4")
     assert on_load.fingerprint != dense.fingerprint and on_load.source_fingerprint == dense.fingerprint
     assert isinstance(on_load.model.layers[0].attn.qkv, Nvfp4Linear) and isinstance(on_load.model.lm_head, nn.Linear)
     for layout in LAYOUTS:
         assert cli(str(tiny_llama_dir), str(tmp_path / layout), "--layout", layout)[0] == 0
-        ckpt = load_model(tmp_path / layout, torch.float32, CPU, weights="nvfp4")
+        ckpt = load_model(tmp_path / layout, torch.float32, CPU, WeightFormat("nvfp4"))
         assert (ckpt.fingerprint, ckpt.source_fingerprint) == (on_load.fingerprint, dense.fingerprint)
         assert torch.equal(logits(ckpt), logits(on_load))
     # The NVFP4 model is another model, close to its source.
@@ -147,10 +150,10 @@ def test_quantizing_on_load_and_both_checkpoints_are_one_model(tiny_llama_dir: P
 def test_an_nvfp4_checkpoint_served_densely(tiny_llama_dir: Path, tmp_path: Path) -> None:
     write_nvfp4_checkpoint(tmp_path / "mo", quantized_stored_model(read_stored_model(tiny_llama_dir)[1], False),
                            "modelopt")
-    as_nvfp4 = load_model(tmp_path / "mo", torch.float32, CPU, weights="nvfp4")
+    as_nvfp4 = load_model(tmp_path / "mo", torch.float32, CPU, WeightFormat("nvfp4"))
     as_dense = load_model(tmp_path / "mo", torch.float32, CPU)
     assert not any(isinstance(m, Nvfp4Linear) for m in as_dense.model.modules())
-    assert as_dense.weights == "dense" and as_dense.fingerprint == as_nvfp4.fingerprint
+    assert as_dense.weights.kind == "dense" and as_dense.fingerprint == as_nvfp4.fingerprint
     assert as_dense.source_fingerprint == as_nvfp4.source_fingerprint == load_model(tiny_llama_dir, torch.float32,
                                                                                      CPU).fingerprint
     # The same dequantized weights through plain linear layers: the same logits.
@@ -159,7 +162,7 @@ def test_an_nvfp4_checkpoint_served_densely(tiny_llama_dir: Path, tmp_path: Path
 
 def test_a_quantized_head_of_a_tied_model_unties_it(tiny_hf_model: Callable[[str], Path], tmp_path: Path) -> None:
     src = tiny_hf_model("qwen2")
-    on_load = load_model(src, torch.float32, CPU, weights="nvfp4", nvfp4_lm_head=True)
+    on_load = load_model(src, torch.float32, CPU, WeightFormat("nvfp4", lm_head=True))
     assert isinstance(on_load.model.lm_head, Nvfp4Linear) and not on_load.model.config.tie_word_embeddings
     source = read_stored_model(src)[1]
     assert torch.equal(on_load.model.embed.weight, source.weights["model.embed_tokens.weight"])  # lookup stays dense
@@ -167,26 +170,56 @@ def test_a_quantized_head_of_a_tied_model_unties_it(tiny_hf_model: Callable[[str
     config = json.loads((tmp_path / "ct" / "config.json").read_text())
     assert config["tie_word_embeddings"] is False and config["quantization_config"]["ignore"] == []
     assert config["specloop"] == {"source_fingerprint": source.fingerprint, "nvfp4_lm_head": True}
-    ckpt = load_model(tmp_path / "ct", torch.float32, CPU, weights="nvfp4", nvfp4_lm_head=True)
-    assert ckpt.fingerprint == on_load.fingerprint != load_model(src, torch.float32, CPU, weights="nvfp4").fingerprint
+    ckpt = load_model(tmp_path / "ct", torch.float32, CPU, WeightFormat("nvfp4", lm_head=True))
+    assert ckpt.fingerprint == on_load.fingerprint != load_model(src, torch.float32, CPU, WeightFormat("nvfp4")).fingerprint
     assert torch.equal(logits(ckpt), logits(on_load))
     # Without the flag the checkpoint's head is served densely: the same weights, model and fingerprint.
-    dense_head = load_model(tmp_path / "ct", torch.float32, CPU, weights="nvfp4")
+    dense_head = load_model(tmp_path / "ct", torch.float32, CPU, WeightFormat("nvfp4"))
     assert type(dense_head.model.lm_head) is nn.Linear and dense_head.fingerprint == ckpt.fingerprint
     assert torch.equal(logits(dense_head), logits(ckpt))
-    # A checkpoint with a dense head has no NVFP4 one to serve.
+    # A checkpoint with a dense head gets it quantized on load: the same model as the other two ways.
     assert cli(str(src), str(tmp_path / "no-head"))[0] == 0
-    with pytest.raises(ValueError, match="nvfp4_lm_head: .* has a dense LM head"):
-        load_model(tmp_path / "no-head", torch.float32, CPU, weights="nvfp4", nvfp4_lm_head=True)
+    quantized_on_load = load_model(tmp_path / "no-head", torch.float32, CPU, WeightFormat("nvfp4", lm_head=True))
+    assert quantized_on_load.fingerprint == on_load.fingerprint
+    assert torch.equal(logits(quantized_on_load), logits(on_load))
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])  # tied, untied
+def test_an_nvfp4_embedding_is_one_model_however_it_is_reached(tiny_hf_model: Callable[[str], Path], kind: str,
+                                                                tmp_path: Path) -> None:
+    src = tiny_hf_model(kind)
+    source = read_stored_model(src)[1]
+    embedding = source.weights["model.embed_tokens.weight"]  # [V, H]
+    expected_rows = dequantize(quantize(embedding, tensor_scale=shared_tensor_scale([embedding])))[TOKENS[0]]
+    models = {}
+    for head in (False, True):
+        fmt = WeightFormat("nvfp4", lm_head=head, embedding=True)
+        models[head] = direct = load_model(src, torch.float32, CPU, fmt)
+        assert isinstance(direct.model.embed, Nvfp4Embedding) and not direct.model.config.tie_word_embeddings
+        assert isinstance(direct.model.lm_head, Nvfp4Linear) == head
+        assert torch.equal(direct.model.embed(TOKENS)[0], expected_rows)  # [8, H]: a lookup of the NVFP4 rows
+        # A checkpoint (which holds the embedding densely) with the embedding quantized on load.
+        out = tmp_path / f"{kind}-{head}"
+        assert cli(str(src), str(out), *(["--lm-head"] if head else []))[0] == 0
+        via_checkpoint = load_model(out, torch.float32, CPU, fmt)
+        assert via_checkpoint.fingerprint == direct.fingerprint
+        assert torch.equal(logits(via_checkpoint), logits(direct))
+        assert direct.source_fingerprint == via_checkpoint.source_fingerprint == source.fingerprint
+    # Each choice is another model; the head left dense is the source's, not the embedding's NVFP4 form.
+    fingerprints = {load_model(src, torch.float32, CPU, WeightFormat("nvfp4", lm_head=h, embedding=e)).fingerprint
+                    for h in (False, True) for e in (False, True)}
+    assert len(fingerprints) == 4
+    head = source.weights.get("lm_head.weight", embedding)
+    assert torch.equal(models[False].model.lm_head.weight, head)
 
 
 def test_a_gguf_source_keeps_its_tokenizer_and_dtype(tiny_llama_dir: Path, tmp_path: Path) -> None:
     gguf = write_gguf_like_llama_cpp(tiny_llama_dir, tmp_path / "tiny.gguf")
     code, output = cli(str(gguf), str(tmp_path / "out"), "--layout", "modelopt")
     assert code == 0, output
-    source, ckpt = load_model(gguf, torch.float32, CPU), load_model(tmp_path / "out", torch.float32, CPU, "nvfp4")
+    source, ckpt = load_model(gguf, torch.float32, CPU), load_model(tmp_path / "out", torch.float32, CPU, WeightFormat("nvfp4"))
     assert ckpt.source_fingerprint == source.fingerprint
-    assert ckpt.fingerprint == load_model(gguf, torch.float32, CPU, weights="nvfp4").fingerprint
+    assert ckpt.fingerprint == load_model(gguf, torch.float32, CPU, WeightFormat("nvfp4")).fingerprint
     text = "Speculative decoding drafts 1234 tokens:\n\tdef f(x): return x  # café 🙂"
     assert ckpt.tokenizer.encode(text) == source.tokenizer.encode(text)
     chat = [{"role": "user", "content": "hi"}]
@@ -204,8 +237,8 @@ def test_a_bf16_source_stays_bf16(tiny_llama_dir: Path, tmp_path: Path) -> None:
     tensors = load_file(tmp_path / "out" / "model.safetensors")
     assert tensors["model.embed_tokens.weight"].dtype == tensors["lm_head.weight"].dtype == torch.bfloat16
     assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    ckpt = load_model(tmp_path / "out", torch.bfloat16, CPU, weights="nvfp4")
-    assert ckpt.fingerprint == load_model(src, torch.bfloat16, CPU, weights="nvfp4").fingerprint
+    ckpt = load_model(tmp_path / "out", torch.bfloat16, CPU, WeightFormat("nvfp4"))
+    assert ckpt.fingerprint == load_model(src, torch.bfloat16, CPU, WeightFormat("nvfp4")).fingerprint
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "llama-rope-linear", "llama-rope-llama3",
@@ -236,11 +269,21 @@ def test_bad_input_is_refused_by_name(tiny_llama_dir: Path, tmp_path: Path) -> N
     assert get_args(get_args(quantize_command.__annotations__["layout"])[0]) == LAYOUTS
 
 
-def test_bad_load_arguments_are_refused(tiny_llama_dir: Path) -> None:
+def test_bad_weight_formats_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="weights: 'int4' is not one of dense, nvfp4"):
-        load_model(tiny_llama_dir, torch.float32, CPU, weights="int4")
+        WeightFormat("int4")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="nvfp4_lm_head: an NVFP4 LM head needs weights='nvfp4'"):
-        load_model(tiny_llama_dir, torch.float32, CPU, nvfp4_lm_head=True)
+        WeightFormat(lm_head=True)
+    with pytest.raises(ValueError, match="nvfp4_embedding: an NVFP4 embedding needs weights='nvfp4'"):
+        WeightFormat(embedding=True)
+    assert WeightFormat("nvfp4", embedding=True).cli_options() == ["--weights", "nvfp4", "--nvfp4-embedding"]
+    assert WeightFormat().card() == {"weights": "dense"}
+
+
+def test_a_checkpoint_never_holds_an_nvfp4_embedding(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    model = quantized_stored_model(read_stored_model(tiny_llama_dir)[1], lm_head=False, embedding=True)
+    with pytest.raises(AssertionError, match="embedding densely"):
+        write_nvfp4_checkpoint(tmp_path / "out", model, "compressed-tensors")
 
 
 @pytest.mark.integration
@@ -249,7 +292,7 @@ def test_bad_load_arguments_are_refused(tiny_llama_dir: Path) -> None:
 def test_smollm2_quantized_by_the_command_serves_close_to_its_source(smollm2: LoadedModel, tmp_path: Path) -> None:
     # 35 s on the 2 cores here when idle, 2.5 min when shared: mostly the reference quantizer on 106M weights.
     assert cli("default", str(tmp_path / "ct"))[0] == 0
-    ckpt = load_model(tmp_path / "ct", torch.float32, CPU, weights="nvfp4")
+    ckpt = load_model(tmp_path / "ct", torch.float32, CPU, WeightFormat("nvfp4"))
     assert ckpt.source_fingerprint == smollm2.fingerprint != ckpt.fingerprint
     text = ("The capital of France is Paris. The capital of Italy is Rome. Speculative decoding drafts tokens with "
             "a small model and verifies them with the large one, which keeps the output distribution unchanged.")

@@ -12,6 +12,7 @@ import torch
 
 from benchmarks.server_process import wait_ready
 from engine.loaders.load import load_model
+from engine.loaders.weight_format import WeightFormat
 from storage.broker import free_port
 
 pytestmark = pytest.mark.timeout(120)
@@ -48,13 +49,17 @@ def test_serve_nvfp4_weights_as_another_base_model(tiny_llama_dir: Path, tmp_pat
     with open(tmp_path / "serve.log", "wb") as log:
         proc = subprocess.Popen([str(specloop), "serve", "--model", str(tiny_llama_dir), "--port", str(port),
                                  "--dtype", "bfloat16", "--device", "cpu", "--max-len", "128", "--weights", "nvfp4",
-                                 "--nvfp4-lm-head"], stdout=log, stderr=subprocess.STDOUT)
+                                 "--nvfp4-lm-head", "--nvfp4-embedding"], stdout=log, stderr=subprocess.STDOUT)
         try:
             base = f"http://127.0.0.1:{port}"
             wait_ready(base, proc, tmp_path / "serve.log", 90)
             card = httpx.get(f"{base}/v1/models").json()["data"][0]
             dense = load_model(tiny_llama_dir, torch.bfloat16, torch.device("cpu")).fingerprint
             assert card["weights"] == "nvfp4" and card["quantized_from"] == dense != card["fingerprint"]
+            assert card["nvfp4_lm_head"] is card["nvfp4_embedding"] is True
+            fmt = WeightFormat("nvfp4", lm_head=True, embedding=True)
+            assert card["fingerprint"] == load_model(tiny_llama_dir, torch.bfloat16, torch.device("cpu"),
+                                                     fmt).fingerprint
             body = {"model": tiny_llama_dir.name, "prompt": "hello", "max_tokens": 5, "ignore_eos": True}
             assert httpx.post(f"{base}/v1/completions", json=body).json()["usage"]["completion_tokens"] == 5
         finally:
@@ -69,3 +74,7 @@ def test_serve_refuses_bad_options_naming_them() -> None:
     r = subprocess.run([str(specloop), "serve", "--weights", "int4"], capture_output=True, text=True, timeout=60,
                        check=False)
     assert r.returncode == 2 and "weights" in r.stderr
+    r = subprocess.run([str(specloop), "serve", "--nvfp4-embedding"], capture_output=True, text=True, timeout=60,
+                       check=False)
+    assert r.returncode == 2 and "nvfp4_embedding: Value error, an NVFP4 part needs weights 'nvfp4'" in " ".join(
+        r.stderr.replace("│", " ").split())
