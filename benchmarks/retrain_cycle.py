@@ -1,8 +1,9 @@
 """One retraining cycle of the demo, measured: `specloop up --demo` (what `make run` starts) until the
-daemon has promoted a drafter retrained on the demo's HumanEval traffic and the engine serves it.
+daemon has promoted a drafter retrained on the demo's traffic and the engine serves it.
 
-The traffic domain (HumanEval code prompts) differs from the shipped drafter's (OpenAI `evals` chat
-prompts). `specloop replay` holds out a share of the prompts by hash and never sends them
+The traffic (`--prompts`: the demo's formal-logic prompts by default, or HumanEval code prompts)
+comes from a domain the shipped drafter (trained on OpenAI `evals` chat prompts sampled across all
+tasks) was not trained on. `specloop replay` holds out a share of the prompts by hash and never sends them
 (`daemon.traffic.replay.traffic_split`); this script measures τ on exactly those:
 
 - live: the held-out prompts sent to the engine anonymously (so never captured) before the cycle
@@ -38,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is 
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.server_process import wait_ready  # noqa: E402
 from daemon.traffic.replay import traffic_split  # noqa: E402
-from daemon.training.prompts import humaneval_prompts  # noqa: E402
+from daemon.training.prompts import prompt_set  # noqa: E402
 from storage.broker import free_port  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -52,18 +53,21 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "retrain_cycle.json")
     parser.add_argument("--timeout-min", type=float, default=45.0, help="Give up waiting for a promotion")
     parser.add_argument("--data-dir", type=Path, default=None, help="Default: a temporary directory")
+    parser.add_argument("--prompts", choices=["formal-logic", "humaneval"], default="formal-logic",
+                        help="The demo traffic's prompt set (`specloop up --demo-prompts`)")
     args = parser.parse_args()
     data = args.data_dir or Path(tempfile.mkdtemp(prefix="specloop-cycle-"))
-    _, heldout = traffic_split(humaneval_prompts(), HELDOUT_FRACTION)
+    _, heldout = traffic_split(prompt_set(args.prompts), HELDOUT_FRACTION)
     port, daemon_port = free_port(), free_port()
     url, daemon = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{daemon_port}"
     log = data / "up.log"
     data.mkdir(parents=True, exist_ok=True)
-    report: dict = {"machine": describe(), "heldout_prompts": len(heldout), "data_dir": str(data)}
+    report: dict = {"machine": describe(), "prompts": args.prompts, "heldout_prompts": len(heldout),
+                    "data_dir": str(data)}
     started = time.monotonic()
     with open(log, "ab") as out:
         up = subprocess.Popen([str(Path(sys.executable).with_name("specloop")), "up", "--demo", "--port", str(port),
-                               "--mlflow-port", "0", "--daemon-port", str(daemon_port)],
+                               "--mlflow-port", "0", "--daemon-port", str(daemon_port), "--demo-prompts", args.prompts],
                               env={**os.environ, "SPECLOOP_DATA_DIR": str(data)}, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_ready(url, up, log, 600)

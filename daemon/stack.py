@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import IO, TYPE_CHECKING, Annotated
+from typing import IO, TYPE_CHECKING, Annotated, Literal
 
 import typer
 
@@ -58,6 +58,9 @@ _SINK_STOP_S = 60
 _DAEMON_STOP_S = 90
 POLICIES = Path(__file__).resolve().parents[1] / "deploy" / "policies"
 DEMO_TENANT = "demo"
+# The demo traffic's prompt sets (`daemon/training/prompts.py`); formal-logic is the default, the
+# narrow domain where one cycle reached +50% τ (daemon/training/prompt_sets/README.md).
+DemoPrompts = Literal["formal-logic", "humaneval"]
 _DEMO_CONCURRENCY = 4
 _DEMO_WAIT_S = 600  # the replay starts with the server, which loads the model first
 _DEMO_TENANTS = """# Written by `specloop up --demo`: the demo tenant captures consented traffic; anyone else is anonymous.
@@ -85,8 +88,11 @@ def up(
     durable: Annotated[bool, typer.Option(help="Broker on S3 storage (local moto) instead of memory")] = False,
     broker_port: Annotated[int, typer.Option(help="Broker port; 0 picks a free one")] = 0,
     retrain: Annotated[bool, typer.Option(help="Also run the retraining daemon and the MLflow UI")] = True,
-    demo: Annotated[bool, typer.Option(help="Send consented HumanEval traffic and retrain on it (demo policy)")]
+    demo: Annotated[bool, typer.Option(help="Send consented demo traffic and retrain on it (demo policy)")]
     = False,
+    demo_prompts: Annotated[DemoPrompts, typer.Option(
+        help="The demo traffic's prompt set: formal-logic (narrow and templated: the +50% τ case) or humaneval "
+             "(code)")] = "formal-logic",
     mlflow_port: Annotated[int, typer.Option(help="MLflow UI port; 0 picks a free one")] = 5000,
     daemon_port: Annotated[int, typer.Option(help="The daemon's /health and /metrics port; 0 picks one")] = 8100,
 ) -> None:
@@ -120,7 +126,8 @@ def up(
                 _start_daemon(stack, settings, consent, engine_url, demo, daemon_port, data)
             if demo_key is not None:
                 daemon_url = f"http://127.0.0.1:{daemon_port}" if retrain else None
-                _start_demo_traffic(stack, engine_url, demo_key, consent.admin_token, data / "demo", daemon_url)
+                _start_demo_traffic(stack, engine_url, demo_key, consent.admin_token, data / "demo", daemon_url,
+                                    demo_prompts)
             run_server(settings)
         except _Stopped as stopped:
             log.info("%s: stopping server, sink and broker in order", stopped)
@@ -163,11 +170,11 @@ def _start_daemon(stack: ExitStack, settings: "ServerSettings", consent: "Consen
 
 
 def _start_demo_traffic(stack: ExitStack, engine_url: str, key: str, admin_token: str, out: Path,
-                        daemon_url: str | None) -> None:
-    """`specloop replay` of HumanEval prompts, over and over, as consented users of the demo tenant;
+                        daemon_url: str | None, prompts: DemoPrompts) -> None:
+    """`specloop replay` of the demo's prompts, over and over, as consented users of the demo tenant;
     paused while the daemon trains, which on 2 cores would otherwise run at half speed."""
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "daemon.cli", "replay", "--url", engine_url, "--source", "humaneval",
+    command = [sys.executable, "-m", "daemon.cli", "replay", "--url", engine_url, "--source", prompts,
                "--api-key", key, "--tenant", DEMO_TENANT, "--users", "8", "--concurrency", str(_DEMO_CONCURRENCY),
                "--max-tokens", "192", "--repeat", "--record", str(out / "traffic.jsonl"),
                "--dead-after-s", str(_DEMO_WAIT_S)] + ([] if daemon_url is None else

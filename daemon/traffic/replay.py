@@ -24,11 +24,11 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Self
+from typing import TYPE_CHECKING, Annotated, Any, Self
 
 import typer
 
-from daemon.training.prompts import Prompt
+from daemon.training.prompts import Prompt, PromptSource
 
 if TYPE_CHECKING:
     import httpx
@@ -364,7 +364,7 @@ def replay(
     admin_token: Annotated[str | None, typer.Option(envvar="SPECLOOP_ADMIN_TOKEN",
                                                     help="The engine's consent admin token")] = None,
     url: Annotated[str, typer.Option(help="The engine's base URL")] = "http://127.0.0.1:8000",
-    source: Annotated[Literal["humaneval", "evals", "file"], typer.Option(help="Prompt set")] = "humaneval",
+    source: Annotated[PromptSource, typer.Option(help="Prompt set")] = "humaneval",
     prompts_file: Annotated[Path | None, typer.Option(help='source=file: JSONL of {"messages": [...]}')] = None,
     per_task: Annotated[int, typer.Option(min=1, help="evals only: prompts sampled from each task")] = 20,
     seed: Annotated[int, typer.Option(help="evals only: prompt sampling seed")] = 0,
@@ -430,21 +430,13 @@ class ReplayPlan:
         return self.limit if self.repeat else min(prompts, self.limit or prompts)
 
 
-def _prompts(source: str, prompts_file: Path | None, per_task: int, seed: int) -> list[Prompt]:
-    from daemon.training.prompts import ensure_evals, humaneval_prompts, read_prompts, sample_evals_prompts
+def _prompts(source: PromptSource, prompts_file: Path | None, per_task: int, seed: int) -> list[Prompt]:
+    from daemon.training.prompts import prompt_set
 
-    if source != "file" and prompts_file is not None:
-        raise typer.BadParameter("only read with --source file", param_hint="'--prompts-file'")
-    if source == "humaneval":
-        return humaneval_prompts()
-    if source == "evals":
-        return sample_evals_prompts(ensure_evals(), per_task, seed)
-    if prompts_file is None:
-        raise typer.BadParameter("--source file needs it", param_hint="'--prompts-file'")
     try:
-        return read_prompts(prompts_file)
-    except (OSError, ValueError) as e:
-        raise typer.BadParameter(str(e), param_hint="'--prompts-file'") from e
+        return prompt_set(source, prompts_file, per_task, seed)
+    except ValueError as e:
+        raise typer.BadParameter(str(e).removeprefix("prompts_file: "), param_hint="'--prompts-file'") from e
 
 
 def _run(plan: ReplayPlan, traffic: list[Prompt]) -> tuple[Tally, Liveness]:

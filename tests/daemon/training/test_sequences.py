@@ -7,8 +7,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from daemon.training.prompts import humaneval_prompts, sample_evals_prompts
+from daemon.training.prompts import humaneval_prompts, prompt_set, sample_evals_prompts
 from daemon.training.sequences import TokenSequence, digest, read_sequences, split_heldout, write_jsonl
+from daemon.traffic.replay import traffic_split
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -60,3 +61,25 @@ def test_evals_sampling_per_task(tmp_path: Path) -> None:
     assert [p.task for p in prompts].count("task_a/samples") == 5
     assert [p.messages for p in prompts if p.task == "b"] == [({"role": "user", "content": "plain"},)]
     assert prompts == sample_evals_prompts(tmp_path, per_task=5, seed=1)
+
+
+def test_the_shipped_formal_logic_prompts_give_the_demo_its_split() -> None:
+    prompts = prompt_set("formal-logic")
+    assert len(prompts) == 220 and len({json.dumps(p.messages) for p in prompts}) == 220
+    assert all([m["role"] for m in p.messages] == ["system", "user"] for p in prompts)
+    assert all("logic expression is true or false" in p.messages[1]["content"] for p in prompts)
+    traffic, heldout = traffic_split(prompts, 0.25)  # as `specloop replay` splits them
+    assert (len(traffic), len(heldout)) == (151, 69)  # the demo policy triggers at 90 new traces
+
+
+def test_prompt_sources_refuse_a_misplaced_or_missing_file(tmp_path: Path) -> None:
+    (tmp_path / "p.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    assert [p.messages for p in prompt_set("file", tmp_path / "p.jsonl")] == [({"role": "user", "content": "hi"},)]
+    with pytest.raises(ValueError, match="prompts_file: only read with source 'file'"):
+        prompt_set("humaneval", tmp_path / "p.jsonl")
+    with pytest.raises(ValueError, match="prompts_file: source 'file' needs one"):
+        prompt_set("file")
+    with pytest.raises(ValueError, match="prompts_file: .*No such file"):
+        prompt_set("file", tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="source: 'gsm8k' is not one of"):
+        prompt_set("gsm8k")  # type: ignore[arg-type]
