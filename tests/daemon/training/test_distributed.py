@@ -18,6 +18,7 @@ from daemon.training.checkpoint import CHECKPOINT
 from daemon.training.sequences import write_jsonl
 from daemon.training.trainer import Trainer
 from engine.loaders.load import load_model
+from engine.loaders.weight_format import DENSE
 from engine.speculation.drafter_artifact import CONFIG, WEIGHTS, read_meta
 from tests.daemon.training.test_trainer import config, cycling
 from tests.dflash_helpers import greedy_outputs, tiny_target
@@ -105,7 +106,7 @@ def test_one_process_without_torchrun_is_the_trainers_own_run(data: Path, deep_m
     run = train_drafter([sys.executable], data, deep_model, tmp_path / "cli")
     assert run.returncode == 0, run.stderr
     assert "process 0 of 1: stopped at step 12" in run.stderr
-    loaded = training_cli._target(str(deep_model), "float32", "cpu")
+    loaded = training_cli._target(str(deep_model), "float32", "cpu", DENSE)
     cfg = TrainConfig(out_dir=str(tmp_path / "lib"), max_steps=12, batch_size=4, num_anchors=8, block_size=4,
                       num_taps=3, max_seq_len=64, lr=1e-2, heldout_fraction=0.2, eval_every=4, progress=False)
     Trainer(cfg, loaded.model, loaded.fingerprint, read_sequences([data])).run()
