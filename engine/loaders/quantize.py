@@ -72,13 +72,17 @@ def quantize_state_dict(weights: dict[str, torch.Tensor], config: ModelConfig, l
     embedding matrix when tied, under `lm_head.weight`) and of the embedding when `embedding`; fused
     layers share a tensor scale. Layers whose weights are all in `skip` are left out."""
     sources = {LM_HEAD: EMBEDDING} if config.tie_word_embeddings else {}
+    by_source: dict[tuple[str, ...], list[NVFP4Weight]] = {}  # a tied matrix asked for twice is quantized once
     quantized = {}
     for _, names in fusion_groups(config, lm_head, embedding):
         if skip.issuperset(names):
             continue
-        group = [_weight(weights, sources.get(n, n)) for n in names]
-        scale = shared_tensor_scale(group)
-        quantized |= {n: quantize(w, tensor_scale=scale) for n, w in zip(names, group)}
+        read_from = tuple(sources.get(n, n) for n in names)
+        if read_from not in by_source:
+            group = [_weight(weights, n) for n in read_from]
+            scale = shared_tensor_scale(group)
+            by_source[read_from] = [quantize(w, tensor_scale=scale) for w in group]
+        quantized |= dict(zip(names, by_source[read_from]))
     return quantized
 
 
