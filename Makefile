@@ -28,8 +28,13 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra
 
+# On a CPU without AVX-512 (a Zen 3 EPYC, an aarch64 machine) `make test` has just run the paths this
+# pass forces, so it says so and stops instead of running them again (4.3 min on a Zen 3 EPYC).
 test-avx2: $(STAMP)
-	$(AVX2_ENV) $(BIN)/python -m pytest -q -ra tests/kernels tests/engine
+	@if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then \
+		echo '$(AVX2_ENV) $(BIN)/python -m pytest -q -ra tests/kernels tests/engine'; \
+		$(AVX2_ENV) $(BIN)/python -m pytest -q -ra tests/kernels tests/engine; \
+	else echo "test-avx2: this CPU has no AVX-512, so make test already ran its AVX2 (or portable) paths"; fi
 
 clean-venv:
 	rm -rf $(VENV)

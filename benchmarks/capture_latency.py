@@ -128,8 +128,9 @@ class Row:
 @contextmanager
 def server(model: list[str], data_dir: Path, log: Path, kafka: str | None) -> Iterator[Server]:
     """A `specloop serve` process for `model`, capturing to `kafka` when given."""
-    args = ["--log-level", "warning", *model, *(["--kafka-bootstrap", kafka] if kafka else [])]
-    env = {"SPECLOOP_DATA_DIR": str(data_dir), "SPECLOOP_TENANTS_FILE": str(data_dir / "tenants.yaml")}
+    args = [*model, *(["--kafka-bootstrap", kafka] if kafka else [])]
+    env = {"SPECLOOP_DATA_DIR": str(data_dir), "SPECLOOP_TENANTS_FILE": str(data_dir / "tenants.yaml"),
+           "SPECLOOP_LOG_LEVEL": "warning"}
     with server_process(args, log, env) as running:
         yield running
 

@@ -1,12 +1,15 @@
-"""Where a benchmark ran, for its JSON: the CPU, the paths our kernels took on it, torch's own
-dispatch level, and llama.cpp's build when it is installed. Figures from different CPUs are not
-comparable; this says which CPU a figure belongs to.
+"""Where a benchmark ran, for its JSON: the CPU (its x86 family and model tell a Zen 3 from a Zen 4),
+how fast it reads memory, the paths our kernels took on it, torch's own dispatch level, and
+llama.cpp's build when it is installed. Figures from different CPUs are not comparable; this says
+which CPU a figure belongs to.
 
 Not a benchmark itself, and it decides nothing: the CPU paths are `kernels.cpu_decode.cpu_plan()`.
 """
 
 import importlib.util
 import os
+import time
+from pathlib import Path
 
 import torch
 
@@ -18,7 +21,9 @@ def describe() -> dict[str, object]:
     cpu, chosen = this_cpu(), cpu_plan()
     return {
         "cpu": cpu.model,
+        "cpu_family_model": family_model(),
         "arch": cpu.machine,
+        "memory_read_gb_s": read_bandwidth_gb_s(),
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "kernel_isa": str(chosen.isa),
@@ -41,3 +46,28 @@ def llama_cpp_build() -> dict[str, str] | None:
     import llama_cpp
 
     return {"version": llama_cpp.__version__, "system_info": llama_cpp.llama_print_system_info().decode().strip()}
+
+
+def family_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """x86 "family/model" (25/1 is AMD Zen 3, 25/17 Zen 4, 6/106 Intel Ice Lake server), or None
+    where the OS does not say: VMs often name the CPU only "AMD EPYC"."""
+    try:
+        fields = dict(line.split(":", 1) for line in cpuinfo.read_text().splitlines()[:20] if ":" in line)
+    except OSError:
+        return None
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    return f"{fields['cpu family']}/{fields['model']}" if "cpu family" in fields and "model" in fields else None
+
+
+def read_bandwidth_gb_s(megabytes: int = 256, rounds: int = 5) -> float:
+    """GB/s this machine reads with torch's threads: the best of `rounds` sums of a tensor far larger
+    than the caches. Decoding at batch 1 reads every weight once per token, so this over the bytes a
+    token reads bounds its tok/s. Machines of one kind differ: a Zen 3 EPYC VM here read 13-15 GB/s
+    where another had been reported copying about 24 GB/s."""
+    x = torch.ones(megabytes << 18)  # fp32
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - start)
+    return round(x.numel() * 4 / best / 1e9, 1)

@@ -56,10 +56,16 @@ class TenantsFile(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     allow_anonymous: bool = False
+    # A key no tenant holds: refused (401), or, when true, served as anonymous like no key. Off in
+    # production, where a mistyped key should fail loudly; on in `specloop up --demo`, so that the
+    # official `openai` client, which always sends some key, reaches the demo server.
+    anonymous_unknown_keys: bool = False
     tenants: tuple[TenantPolicy, ...]
 
     @model_validator(mode="after")
     def _unique(self) -> "TenantsFile":
+        if self.anonymous_unknown_keys and not self.allow_anonymous:
+            raise ValueError("anonymous_unknown_keys: needs allow_anonymous: true")
         names = [t.name for t in self.tenants]
         if ANONYMOUS_NAME in names:
             raise ValueError(f"tenants: the name {ANONYMOUS_NAME!r} is reserved")
@@ -74,8 +80,10 @@ class TenantsFile(BaseModel):
 class TenantDirectory:
     """Resolves API keys and names to tenant policies. Immutable, so safe across threads."""
 
-    def __init__(self, tenants: Sequence[TenantPolicy], allow_anonymous: bool) -> None:
-        self.allow_anonymous = allow_anonymous
+    def __init__(self, tenants: Sequence[TenantPolicy], allow_anonymous: bool,
+                 anonymous_unknown_keys: bool = False) -> None:
+        assert allow_anonymous or not anonymous_unknown_keys
+        self.allow_anonymous, self.anonymous_unknown_keys = allow_anonymous, anonymous_unknown_keys
         self._by_name = {t.name: t for t in (*tenants, ANONYMOUS)}
         self._keys = [(d, t) for t in tenants for d in t.key_digests()]
 
@@ -85,18 +93,19 @@ class TenantDirectory:
         if path is None:
             return cls((), allow_anonymous=True)
         parsed = parse_tenants(path)
-        return cls(parsed.tenants, parsed.allow_anonymous)
+        return cls(parsed.tenants, parsed.allow_anonymous, parsed.anonymous_unknown_keys)
 
     def resolve(self, api_key: str | None) -> TenantPolicy | None:
         """The tenant owning `api_key` (a bearer token), or None when the key must be refused.
 
         No key, or any key when no tenant has keys configured, gives the anonymous tenant if
-        anonymous use is allowed. Every digest is compared, so timing does not reveal a prefix.
+        anonymous use is allowed; so does a key no tenant holds, with `anonymous_unknown_keys`.
+        Every digest is compared, so timing does not reveal a prefix.
         """
         if api_key is None or not self._keys:
             return ANONYMOUS if self.allow_anonymous else None
         presented = _digest(api_key)
-        found = None
+        found = ANONYMOUS if self.anonymous_unknown_keys else None
         for digest, tenant in self._keys:
             if hmac.compare_digest(digest, presented):
                 found = tenant

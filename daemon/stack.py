@@ -63,8 +63,10 @@ DEMO_TENANT = "demo"
 DemoPrompts = Literal["formal-logic", "humaneval"]
 _DEMO_CONCURRENCY = 4
 _DEMO_WAIT_S = 600  # the replay starts with the server, which loads the model first
-_DEMO_TENANTS = """# Written by `specloop up --demo`: the demo tenant captures consented traffic; anyone else is anonymous.
+_DEMO_TENANTS = """# Written by `specloop up --demo`: the demo tenant captures consented traffic; anyone else, with no
+# key or any other key, is anonymous (never captured).
 allow_anonymous: true
+anonymous_unknown_keys: true
 tenants:
   - name: demo
     api_keys: ["{key}"]

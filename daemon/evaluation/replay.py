@@ -97,9 +97,12 @@ def _replay_group(proposer: Proposer, target: Transformer | None, seqs: list[Tok
             truth = rows[b][committed[b]:committed[b] + k]
             n = 0
             while n < len(truth) and draft[n] == truth[n]:
-                accepted[n] += 1
                 n += 1
+            # Where the stored response ends among the accepted drafts, nothing past it is committed,
+            # and serving counts only what it commits (`LLMEngine._verify`): done - 1 accepted drafts.
             done = min(n + 1, len(rows[b]) - committed[b])
+            for i in range(done - 1):
+                accepted[i] += 1
             committed[b] += done
             tokens_done += done
         steps += len(live)

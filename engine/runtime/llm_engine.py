@@ -413,9 +413,14 @@ class LLMEngine:
         for b, (seq, tokens, n, cap) in enumerate(zip(seqs, committed_tokens(drafts, target, accepted),
                                                       accepted.tolist(), allowed.tolist())):
             seq.num_cached += n + 1
+            result = self._commit(seq, tokens, raw[b])  # row i: the target's distribution for token i
             if cap > 0:
-                seq.spec.record(cap, n)
-            results.append(self._commit(seq, tokens, raw[b]))  # row i: the target's distribution for token i
+                # Drafts the target also predicted past an end-of-sequence or stop token are never
+                # committed, so they are not counted: τ is committed tokens per verify step, as replay
+                # counts it. They had been: 3 of 16 formal-logic answers (shipped drafter + n-gram,
+                # whose lookup drafts the chat template that follows the end) counted 2 such drafts each.
+                seq.spec.record(cap, min(n, len(result[1].token_ids) - 1))
+            results.append(result)
         return results
 
     @staticmethod

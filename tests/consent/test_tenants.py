@@ -48,6 +48,17 @@ def test_anonymous_allowed(tmp_path: Path) -> None:
     assert TenantDirectory.load(path).resolve(None) is ANONYMOUS
 
 
+def test_unknown_keys_refused_unless_the_file_makes_them_anonymous(tmp_path: Path) -> None:
+    tenant = "tenants:\n  - name: acme\n    api_keys: [plain-key-0123456789abcdef]\n"
+    strict = TenantDirectory.load(write(tmp_path, "allow_anonymous: true\n" + tenant))
+    assert strict.resolve("sk-anything-at-all") is None and strict.resolve(None) is ANONYMOUS
+    lenient = TenantDirectory.load(write(tmp_path, "allow_anonymous: true\nanonymous_unknown_keys: true\n" + tenant))
+    assert lenient.resolve("sk-anything-at-all") is ANONYMOUS and lenient.resolve(None) is ANONYMOUS
+    assert lenient.resolve("plain-key-0123456789abcdef").name == "acme"
+    with pytest.raises(ValueError, match="anonymous_unknown_keys: needs allow_anonymous"):
+        parse_tenants(write(tmp_path, "anonymous_unknown_keys: true\n" + tenant))
+
+
 def test_no_file_means_anonymous_without_capture() -> None:
     directory = TenantDirectory.load(None)
     for key in (None, "sk-anything-at-all"):

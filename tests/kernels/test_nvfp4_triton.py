@@ -7,9 +7,9 @@ which cannot run here.
 Without a GPU the kernels run under Triton's interpreter, which has to be on before triton is first
 imported: triton's own helpers (`tl.zeros`, ...) are `triton.jit` functions, decorated as it loads,
 and other test modules import it earlier (transformers does). So without CUDA, and unless
-TRITON_INTERPRET=1 was set for the whole run, the kernel tests here are skipped and
-`test_under_the_interpreter` runs this file again in a fresh process with it set (no conftest: the
-file needs none). The interpreter casts fp32 to bf16 by truncation where a GPU rounds to nearest
+TRITON_INTERPRET=1 was set for the whole run, the kernel tests here are deselected (marker
+`run_in_child`, tests/conftest.py) and `test_under_the_interpreter` runs this file again in a fresh
+process with it set (no conftest: the file needs none). The interpreter casts fp32 to bf16 by truncation where a GPU rounds to nearest
 even, which moves bf16 outputs by a mean -2.8e-3 relative (measured at M = 4, N = 72, K = 272),
 inside the 1e-2 bound.
 """
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.timeout(60)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 KERNELS_RUN_HERE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-kernel_test = pytest.mark.skipif(not KERNELS_RUN_HERE, reason="run by test_under_the_interpreter")
+kernel_test = pytest.mark.run_in_child(not KERNELS_RUN_HERE)
 # N: one full 64-column tile plus 8, and three plus 8. K: 2 K tiles of 128 (fp32) plus one block, one
 # of 256 (bf16) plus one; and 3 blocks, under any tile.
 SHAPES = [(72, 272), (200, 48)]

@@ -39,7 +39,10 @@ def test_perfect_drafts_commit_whole_blocks() -> None:
     # Seq 0: 10 tokens after the prefill token -> steps of 4, 4, 2. Seq 1: 4 tokens -> one step of 4.
     assert (stats.steps, stats.committed) == (4, 14)
     assert stats.tau == 3.5
-    assert stats.accepted_per_position == (4, 4, 3)
+    # Seq 0's last step accepts both drafts the response still holds, but commits only those 2 tokens
+    # (no bonus past the end), so it counts 1 accepted draft, as serving does: τ = 1 + 10 / 4.
+    assert stats.accepted_per_position == (4, 3, 3)
+    assert 1 + stats.accepted / stats.steps == stats.tau
 
 
 def test_wrong_drafts_give_tau_one() -> None:

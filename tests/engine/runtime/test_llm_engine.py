@@ -152,6 +152,22 @@ def test_seeded_sampling_is_independent_of_batch() -> None:
     assert alone == mixed
 
 
+
+def test_drafts_past_the_end_are_not_counted() -> None:
+    """The oracle drafts straight through the end-of-sequence token and the target agrees with what
+    follows it, but nothing past the end is committed: τ counts committed tokens per verify step."""
+    model = tiny()
+    p = prompts(1)[0]
+    full = reference_greedy(model, p, 12)
+    end = next(j for j in range(1, 8) if full[j] not in full[:j])  # first occurrence, inside one block of 8
+    engine = LLMEngine(model, EngineConfig(num_slots=1, max_len=128), eos_token_ids=[full[end]],
+                       proposer=OracleProposer(model, 8, miss_every=10**9))
+    seq = engine.generate([p], SamplingParams(max_tokens=12, temperature=0))[0]
+    assert seq.output_ids == full[:end + 1] and seq.finish_reason == "stop"
+    # The prefill commits full[0]; one verify step commits full[1..end] and stops.
+    assert seq.spec.drafts == 1 and seq.spec.accepted_tokens == end - 1
+    assert seq.spec.mean_accepted_length == end
+
 @pytest.mark.parametrize("block_size", [2, 4, 9])
 @pytest.mark.parametrize("kind", ["random", "oracle", "ngram"])
 def test_speculation_is_lossless_for_greedy(block_size: int, kind: str) -> None:
