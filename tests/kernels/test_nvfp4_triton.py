@@ -9,9 +9,9 @@ imported: triton's own helpers (`tl.zeros`, ...) are `triton.jit` functions, dec
 and other test modules import it earlier (transformers does). So without CUDA, and unless
 TRITON_INTERPRET=1 was set for the whole run, the kernel tests here are deselected (marker
 `run_in_child`, tests/conftest.py) and `test_under_the_interpreter` runs this file again in a fresh
-process with it set (no conftest: the file needs none). The interpreter casts fp32 to bf16 by truncation where a GPU rounds to nearest
-even, which moves bf16 outputs by a mean -2.8e-3 relative (measured at M = 4, N = 72, K = 272),
-inside the 1e-2 bound.
+process with it set (no conftest: the file needs none). The interpreter casts fp32 to bf16 by
+truncation where a GPU rounds to nearest even, which moves bf16 outputs by a mean -2.8e-3 relative
+(measured at M = 4, N = 72, K = 272), inside the 1e-2 bound.
 """
 
 import os
