@@ -9,7 +9,6 @@ Not a benchmark itself, and it decides nothing: the CPU paths are `kernels.cpu_d
 import importlib.util
 import os
 import time
-from pathlib import Path
 
 import torch
 
@@ -21,7 +20,7 @@ def describe() -> dict[str, object]:
     cpu, chosen = this_cpu(), cpu_plan()
     return {
         "cpu": cpu.model,
-        "cpu_family_model": family_model(),
+        "cpu_family_model": cpu.family_model,
         "arch": cpu.machine,
         "memory_read_gb_s": read_bandwidth_gb_s(),
         "cores": os.cpu_count(),
@@ -46,17 +45,6 @@ def llama_cpp_build() -> dict[str, str] | None:
     import llama_cpp
 
     return {"version": llama_cpp.__version__, "system_info": llama_cpp.llama_print_system_info().decode().strip()}
-
-
-def family_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
-    """x86 "family/model" (25/1 is AMD Zen 3, 25/17 Zen 4, 6/106 Intel Ice Lake server), or None
-    where the OS does not say: VMs often name the CPU only "AMD EPYC"."""
-    try:
-        fields = dict(line.split(":", 1) for line in cpuinfo.read_text().splitlines()[:20] if ":" in line)
-    except OSError:
-        return None
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
-    return f"{fields['cpu family']}/{fields['model']}" if "cpu family" in fields and "model" in fields else None
 
 
 def read_bandwidth_gb_s(megabytes: int = 256, rounds: int = 5) -> float:

@@ -43,6 +43,9 @@ class CpuFeatures:
     machine: str  # platform.machine(): x86_64, aarch64, arm64, ...
     model: str  # e.g. "AMD EPYC 7B13"; "unknown" where the OS does not say
     flags: frozenset[str]  # x86 cpuinfo flags (avx2, avx512_bf16, ...), or arm Features
+    # x86 "family/model" (25/1 is AMD Zen 3, 25/17 Zen 4, 6/106 Intel Ice Lake server), or None: VMs
+    # often name the CPU only "AMD EPYC". For the benchmarks' records; nothing is decided by it.
+    family_model: str | None = None
 
     @property
     def x86(self) -> bool:
@@ -60,7 +63,9 @@ class CpuFeatures:
             fields.setdefault(key.strip().lower(), value.strip())
         flags = fields.get("flags") or fields.get("features") or ""
         model = fields.get("model name") or fields.get("hardware") or platform.processor() or "unknown"
-        return cls(platform.machine(), model, frozenset(flags.split()))
+        family, number = fields.get("cpu family"), fields.get("model")
+        return cls(platform.machine(), model, frozenset(flags.split()),
+                   f"{family}/{number}" if family and number else None)
 
 
 def runnable(cpu: CpuFeatures, ceiling: Isa | None = None) -> list[Isa]:

@@ -82,3 +82,13 @@ def test_detect_reads_cpuinfo(tmp_path: Path) -> None:
     assert CpuFeatures.detect(arm).flags == {"fp", "asimd", "evtstrm", "bf16"}
     missing = CpuFeatures.detect(tmp_path / "absent")
     assert missing.flags == frozenset() and runnable(missing)[-1] is Isa.PORTABLE
+
+
+def test_detect_reads_the_x86_family_and_model(tmp_path: Path) -> None:
+    zen3 = tmp_path / "zen3"
+    zen3.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 1\n"
+                    "model name\t: AMD EPYC\nflags\t\t: avx2 fma f16c\n")
+    assert CpuFeatures.detect(zen3).family_model == "25/1"
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd\n")
+    assert CpuFeatures.detect(arm).family_model is None
