@@ -88,7 +88,7 @@ def main() -> None:
     report["replayed_heldout"] = replayed(data, heldout, version)
     png = data / "daemon" / "live_tau.png"
     if png.exists():
-        shutil.copy(png, args.out.with_name("retrain_cycle_live_tau.png"))
+        shutil.copy(png, args.out.with_name(f"{args.out.stem}_live_tau.png"))
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({k: report[k] for k in ("cycle_seconds", "live_heldout_before", "live_heldout_after")},
                      indent=2))

@@ -124,7 +124,7 @@ class RetrainRun:
         with self._step("train"):
             warm = champion_dir if loop.policy.training.warm_start else None
             cfg = train_config(loop.policy.training, self.dir / "challenger", warm, _seed(self.run_id),
-                               _dtype_name(loop.target))
+                               _dtype_name(loop.target), len(prepared.train))
             result = train_challenger(cfg, loop.target.model, loop.base_model, prepared.train, self.should_stop,
                                       self.stop, loop.policy.training.processes, loop.target.source,
                                       loop.target.weights)

@@ -13,7 +13,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from daemon.retrain.challenger import RunStopped, train_challenger, train_config
+from daemon.retrain.challenger import RunStopped, early_stopping_fraction, train_challenger, train_config
 from daemon.retrain.policy import Training
 from daemon.training import cli as training_cli
 from daemon.training.sequences import TokenSequence
@@ -25,7 +25,8 @@ TRAINING = Training(max_steps=6, batch_size=2, anchors=8, block_size=4)
 
 
 def test_train_drafter_args_give_back_the_config(tmp_path: Path) -> None:
-    cfg = replace(train_config(TRAINING, tmp_path / "out", tmp_path / "champion", seed=7, dtype="bfloat16"),
+    cfg = replace(train_config(TRAINING, tmp_path / "out", tmp_path / "champion", seed=7, dtype="bfloat16",
+                               train_sequences=1000),
                   num_layers=2, feature_dir=str(tmp_path / "features"))
     parsed = []
 
@@ -42,6 +43,13 @@ def test_train_drafter_args_give_back_the_config(tmp_path: Path) -> None:
         training_cli.train_drafter_args(replace(cfg, grad_clip=0.5))
 
 
+def test_the_trainer_holds_out_traces_only_where_they_are_enough_to_choose_weights_by() -> None:
+    assert early_stopping_fraction(77) == 0.0  # the demo's first run: 5% would have been 1 trace
+    assert early_stopping_fraction(399) == 0.0
+    assert early_stopping_fraction(400) == 0.05  # 20 held out, the gate's default minimum
+    assert early_stopping_fraction(10_000) == 0.05
+
+
 def answers(loaded: LoadedModel, n: int = 16) -> list[TokenSequence]:
     rng = random.Random(0)
     vocab = loaded.model.config.vocab_size
@@ -51,12 +59,15 @@ def answers(loaded: LoadedModel, n: int = 16) -> list[TokenSequence]:
 
 @pytest.mark.timeout(300)
 def test_two_processes_train_the_challenger(deep_loaded: LoadedModel, tmp_path: Path) -> None:
-    cfg = train_config(TRAINING, tmp_path / "challenger", None, seed=0, dtype="float32")
-    result = train_challenger(cfg, deep_loaded.model, deep_loaded.fingerprint, answers(deep_loaded), lambda: None,
+    data = answers(deep_loaded)
+    cfg = train_config(TRAINING, tmp_path / "challenger", None, seed=0, dtype="float32", train_sequences=len(data))
+    result = train_challenger(cfg, deep_loaded.model, deep_loaded.fingerprint, data, lambda: None,
                               threading.Event(), processes=2, model_source=deep_loaded.source)
     assert result.artifact == tmp_path / "challenger" and result.steps == 6 and result.stop_reason == "max_steps"
     meta = read_meta(result.artifact)
     assert meta["base_model_fingerprint"] == deep_loaded.fingerprint and meta["lineage"]["steps"] == 6
+    # 16 traces are too few for a held-out split of the trainer's own: it trained on all of them.
+    assert meta["lineage"]["heldout_sequences"] == 0 and meta["lineage"]["train_sequences"] == 16
     assert result.final_train_loss > 0 and result.train_tokens > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["challenger"]  # the data's scratch directory is gone
 
@@ -78,7 +89,8 @@ def processes_with(text: str) -> list[int]:
 @pytest.mark.timeout(300)
 def test_a_stop_request_ends_every_process_promptly(deep_loaded: LoadedModel, tmp_path: Path) -> None:
     out = tmp_path / "challenger"
-    cfg = train_config(TRAINING.model_copy(update={"max_steps": 100_000}), out, None, seed=0, dtype="float32")
+    cfg = train_config(TRAINING.model_copy(update={"max_steps": 100_000}), out, None, seed=0, dtype="float32",
+                       train_sequences=16)
     asked: list[float] = []
 
     def should_stop() -> str | None:

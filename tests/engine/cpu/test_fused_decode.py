@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.cpu.fused_decode import FusedDecoder, FusedDrafter, supports
+from engine.cpu.fused_decode import MAX_ROWS, FusedDecoder, FusedDrafter, supports
 from engine.cpu.linear import optimize_for_cpu_inference
 from engine.loaders.load import load_model
 from engine.model.config import ModelConfig
@@ -76,7 +76,7 @@ def test_matches_fp32_reference(tiny_hf_model: Callable[[str], Path], kind: str,
 
 def test_wide_decode_step_matches_reference(tiny_llama_dir: Path) -> None:
     fused, reference = fused_and_reference(tiny_llama_dir)
-    B = 20  # more sequences than a block may have rows: decode steps still run in the kernel
+    B = MAX_ROWS + 8  # more sequences than a block may have rows: decode steps still run in the kernel
     fp32_cache = KVCache(fused.config, 1, MAX_LEN, torch.float32, torch.device("cpu"))
     assert FusedDecoder.accepts(B, 1, fp32_cache) and not FusedDecoder.accepts(1, B, fp32_cache)
     g = torch.Generator().manual_seed(3)
@@ -205,7 +205,8 @@ def test_drafter_block_matches_the_eager_drafter(dtype: torch.dtype) -> None:
     assert torch.equal(proposer.cache.k, before[0]) and torch.equal(proposer.cache.v, before[1])
     assert (got.float() - want.float()).abs().max() <= TOLERANCE[dtype] * want.float().abs().max()
     assert torch.equal(got[1:], alone)
-    assert FusedDrafter.accepts(4, 4, proposer.cache) and not FusedDrafter.accepts(5, 4, proposer.cache)
+    blocks = MAX_ROWS // 4
+    assert FusedDrafter.accepts(blocks, 4, proposer.cache) and not FusedDrafter.accepts(blocks + 1, 4, proposer.cache)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
