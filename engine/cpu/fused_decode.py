@@ -34,10 +34,10 @@ from kernels.nvfp4 import NVFP4Weight
 # over many separate contexts is slow.
 # MAX_ROWS covers the server's default verify pass, 8 sequences x block 4. At 16, that pass ran
 # eager, whose numerics differ (the kernel keeps activations in fp32 between matrices), so answers
-# changed with the load and a drafter met features unlike those it was trained on: on the Zen 3,
-# the demo's retrained drafter + n-gram, 40 held-out formal-logic prompts at concurrency 8, gave
-# τ 2.88 and 111.9 tok/s at 16 against τ 3.186 and 136.6 tok/s at 32, with every answer the same
-# as at concurrency 1 (14 of 40 at 16).
+# changed with the load and a drafter met features unlike those it was trained on. On the Zen 3
+# (benchmarks/kernel_rows.py), the demo's retrained drafter + n-gram, 40 held-out formal-logic
+# prompts at concurrency 8: τ 3.027 and 120-131 tok/s at 16 against τ 3.293 and 144-157 tok/s at
+# 32, where every answer equals concurrency 1's (19 of 40 at 16).
 MAX_ROWS = 32
 MAX_DECODE_ROWS = 64
 FP4_CHUNK = 64  # NVFP4 matrices reach the kernel in chunks of 64 inputs (kernels/cpu_decode.cpp)
