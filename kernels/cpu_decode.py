@@ -5,7 +5,8 @@ FMA, portable), with that path's flags and its vector layer (`simd_<isa>.h`), as
 `specloop_cpu_decode_<isa>`. torch's extension builder compiles with ninja into its per-user cache
 on first use (about 40 s per build here) and reuses a build while the source, headers and flags are
 unchanged. Builds carry their instruction set in their name, and only a build this CPU can run is
-ever loaded, so a cache shared between machines never hands an AVX-512 build to an AVX2 CPU. It
+ever loaded, so a cache shared between machines never hands an AVX-512 build to an AVX2 CPU. A
+build runs under an OS file lock (`_build_lock`), so one killed mid-compile cannot hang later starts. It
 links OpenMP so that `at::parallel_for` runs on torch's own thread pool (both load the
 `libgomp.so.1` torch ships).
 
@@ -14,10 +15,13 @@ when to use the kernels is `engine/cpu/fused_decode.py`'s and `engine/cpu/linear
 a build fails (no compiler) everything runs on the eager path, after one warning.
 """
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -76,9 +80,34 @@ def compile_module(name: str, source: Path, isa: Isa, build_directory: Path | No
     """Build (or reuse the cached build of) a kernel source as module `name` for `isa`. `load` uses
     it for this checkout's kernels; `benchmarks/verify_pass.py` for an older revision's. The
     headers' digest is a flag, so a header edit rebuilds (torch hashes only the sources)."""
+    from torch.utils.cpp_extension import _get_build_directory
     from torch.utils.cpp_extension import load as build
 
     digest = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(source.parent.glob("simd*.h")))).hexdigest()
     flags = ["-O3", "-fopenmp", f"-DSPECLOOP_HEADERS={digest[:16]}", *ISA_FLAGS[isa]]
-    return build(name, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                 build_directory=None if build_directory is None else str(build_directory))
+    # torch's own default directory (a private helper: the builder offers no public one), so that the
+    # lock guards the directory torch builds in.
+    directory = Path(build_directory or _get_build_directory(name, verbose=False))
+    with _build_lock(directory):
+        return build(name, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                     build_directory=str(directory))
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """Hold an OS lock on a build directory and clear a dead build's marker from it.
+
+    torch's builder marks a build in progress with a plain file, `lock`, and waits without limit while
+    one exists: a build killed mid-compile (here a `timeout` around a first `pytest` on a busy CPU)
+    left one, and every later start hung at import with no message. The kernel releases a `flock` when
+    its process dies, and every specloop build of the directory takes it first, so a `lock` file
+    found while holding it is a dead build's.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    with (directory / "specloop.flock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        marker = directory / "lock"
+        if marker.exists():
+            log.warning("removing %s, left by a kernel build that did not finish", marker)
+            marker.unlink()
+        yield

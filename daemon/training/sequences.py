@@ -54,6 +54,12 @@ def _read_jsonl(path: Path) -> list[TokenSequence]:
 
 
 def _read_parquet(path: Path) -> list[TokenSequence]:
+    if path.is_dir() and not any(path.rglob("*.parquet")):
+        # `specloop generate --out DIR` writes DIR/train.jsonl beside DIR/heldout.jsonl: reading every
+        # JSONL file of a directory would train on the held-out answers, so the files are named instead.
+        jsonl = sorted(str(f) for f in path.glob("*.jsonl"))
+        hint = f"; pass JSONL files one by one ({', '.join(jsonl)})" if jsonl else ""
+        raise ValueError(f"{path} holds no Parquet files{hint}")
     dataset = ds.dataset(path, format="parquet", partitioning="hive")
     missing = [c for c in COLUMNS if c not in dataset.schema.names]
     if missing:

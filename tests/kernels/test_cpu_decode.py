@@ -1,8 +1,10 @@
 """The C++ `linear` of every kernel build this CPU runs against a float64 reference over odd row
 counts, bf16 and fp32, with and without bias; and the loader: the forced build is the one that
-loads, a build the CPU cannot run is refused, a failed build falls back to the eager path."""
+loads, a build the CPU cannot run is refused, a failed build falls back to the eager path, a build
+killed mid-compile does not hang the next."""
 
 import logging
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -84,3 +86,25 @@ def test_a_failed_build_warns_and_leaves_the_eager_path(monkeypatch: pytest.Monk
     with caplog.at_level(logging.WARNING, logger="kernels.cpu_decode"):
         assert cpu_decode._build.__wrapped__(Isa.PORTABLE) is None
     assert "CPU decode kernels (portable) unavailable, using the eager path: c++: not found" in caplog.text
+
+
+# A module without torch's headers, so that the build under test takes a second rather than 40.
+PROBE_SOURCE = """
+#include <Python.h>
+static PyModuleDef probe = {PyModuleDef_HEAD_INIT, "specloop_lock_probe", nullptr, -1, nullptr};
+PyMODINIT_FUNC PyInit_specloop_lock_probe() { return PyModule_Create(&probe); }
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_build_killed_mid_compile_does_not_hang_the_next(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    source = tmp_path / "probe.cpp"
+    source.write_text(PROBE_SOURCE)
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "lock").touch()  # what torch's builder leaves when its process is killed while compiling
+    with caplog.at_level(logging.WARNING, logger="kernels.cpu_decode"):
+        module = cpu_decode.compile_module("specloop_lock_probe", source, Isa.PORTABLE, build)
+    assert module.__name__ == "specloop_lock_probe"
+    assert "left by a kernel build that did not finish" in caplog.text
+    assert not (build / "lock").exists()

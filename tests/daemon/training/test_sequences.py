@@ -36,6 +36,17 @@ def test_bad_records_name_the_field(tmp_path: Path) -> None:
         read_sequences([tmp_path / "missing.jsonl"])
 
 
+def test_a_directory_of_jsonl_names_its_files_instead_of_reading_them(tmp_path: Path) -> None:
+    # `generate --out` writes train.jsonl beside heldout.jsonl: the directory must not read as one set.
+    write_jsonl(tmp_path / "train.jsonl", SEQS)
+    write_jsonl(tmp_path / "heldout.jsonl", SEQS[:1])
+    with pytest.raises(ValueError, match=r"holds no Parquet files; pass JSONL files one by one \(.*heldout.jsonl, .*train.jsonl\)"):
+        read_sequences([tmp_path])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no Parquet files$"):
+        read_sequences([tmp_path / "empty"])
+
+
 def test_heldout_split_keeps_a_prompt_on_one_side() -> None:
     seqs = [TokenSequence((i,), (1, 2)) for i in range(200)] + [TokenSequence((7,), (9, 9))]
     train, held = split_heldout(seqs, 0.2)
