@@ -1,9 +1,12 @@
 """Replay τ: hand-built cases with known answers, the DFlash and combined proposers run through
-replay, and `compare` with real generation per contender."""
+replay, and `compare` with real generation per contender and its refusals up front."""
+
+from pathlib import Path
 
 import pytest
 import torch
 
+import daemon.evaluation.replay as replay_module
 from daemon.evaluation.replay import compare, replay
 from daemon.training.sequences import TokenSequence
 from engine.speculation.combined import CombinedProposer
@@ -80,3 +83,13 @@ def test_compare_adds_real_generation_per_contender() -> None:
     report = compare(target, "fp", seqs, [], ngram_block_size=4, live_concurrency=1)
     [ngram] = report["results"]
     assert ngram["generation"]["identical_to_stored"] == 1 and ngram["generation"]["tau"] >= 1.0
+
+
+def test_compare_refuses_a_missing_drafter_before_replaying_anything(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    replayed = []
+    monkeypatch.setattr(replay_module, "replay", lambda proposer, *a, **k: replayed.append(proposer))
+    seqs = [TokenSequence((1, 2, 3), (1, 2, 3))]
+    with pytest.raises(ValueError, match="missing"):
+        compare(tiny_target(), "fp", seqs, [tmp_path / "missing"], ngram_block_size=4)
+    assert replayed == []
