@@ -3,8 +3,8 @@
 The same source is compiled once for each path in `kernels/cpu_features.py` (AVX-512 BF16, AVX2 +
 FMA, portable), with that path's flags and its vector layer (`simd_<isa>.h`), as its own module
 `specloop_cpu_decode_<isa>`. torch's extension builder compiles with ninja into its per-user cache
-on first use (about 40 s per build here) and reuses a build while the source, headers and flags are
-unchanged. Builds carry their instruction set in their name, and only a build this CPU can run is
+on first use (about 40 s per build here), in a directory of its own per checkout, and reuses a
+build while the source, headers and flags are unchanged. Builds carry their instruction set in their name, and only a build this CPU can run is
 ever loaded, so a cache shared between machines never hands an AVX-512 build to an AVX2 CPU. A
 build runs under an OS file lock (`_build_lock`), so one killed mid-compile cannot hang later starts. It
 links OpenMP so that `at::parallel_for` runs on torch's own thread pool (both load the
@@ -80,17 +80,27 @@ def compile_module(name: str, source: Path, isa: Isa, build_directory: Path | No
     """Build (or reuse the cached build of) a kernel source as module `name` for `isa`. `load` uses
     it for this checkout's kernels; `benchmarks/verify_pass.py` for an older revision's. The
     headers' digest is a flag, so a header edit rebuilds (torch hashes only the sources)."""
-    from torch.utils.cpp_extension import _get_build_directory
     from torch.utils.cpp_extension import load as build
 
     digest = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(source.parent.glob("simd*.h")))).hexdigest()
     flags = ["-O3", "-fopenmp", f"-DSPECLOOP_HEADERS={digest[:16]}", *ISA_FLAGS[isa]]
-    # torch's own default directory (a private helper: the builder offers no public one), so that the
-    # lock guards the directory torch builds in.
-    directory = Path(build_directory or _get_build_directory(name, verbose=False))
+    directory = build_directory or default_build_directory(name, source)
     with _build_lock(directory):
         return build(name, [str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                      build_directory=str(directory))
+
+
+def default_build_directory(name: str, source: Path) -> Path:
+    """Where `name` from `source` is built in torch's per-user cache: one directory per checkout.
+
+    ninja rebuilds whenever the source's path in its build file changes, so two checkouts sharing one
+    directory (a working tree and a copy a long run starts from) rebuilt each other's kernels on every
+    start, 40 s of both cores each time.
+    """
+    from torch.utils.cpp_extension import _get_build_directory  # the builder has no public way to it
+
+    checkout = hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:12]
+    return Path(_get_build_directory(f"{name}-{checkout}", verbose=False))
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """The C++ `linear` of every kernel build this CPU runs against a float64 reference over odd row
 counts, bf16 and fp32, with and without bias; and the loader: the forced build is the one that
 loads, a build the CPU cannot run is refused, a failed build falls back to the eager path, a build
-killed mid-compile does not hang the next."""
+killed mid-compile does not hang the next, and each checkout builds in its own directory."""
 
 import logging
 from pathlib import Path
@@ -108,3 +108,11 @@ def test_a_build_killed_mid_compile_does_not_hang_the_next(tmp_path: Path, caplo
     assert module.__name__ == "specloop_lock_probe"
     assert "left by a kernel build that did not finish" in caplog.text
     assert not (build / "lock").exists()
+
+
+def test_each_checkout_builds_in_a_directory_of_its_own(tmp_path: Path) -> None:
+    here = cpu_decode.default_build_directory("specloop_cpu_decode_avx2", cpu_decode.SOURCE)
+    copy = cpu_decode.default_build_directory("specloop_cpu_decode_avx2", tmp_path / "kernels" / "cpu_decode.cpp")
+    assert here != copy and here.parent == copy.parent
+    assert here.name.startswith("specloop_cpu_decode_avx2-")
+    assert here == cpu_decode.default_build_directory("specloop_cpu_decode_avx2", cpu_decode.SOURCE)
