@@ -4,11 +4,11 @@ The same source is compiled once for each path in `kernels/cpu_features.py` (AVX
 FMA, portable), with that path's flags and its vector layer (`simd_<isa>.h`), as its own module
 `specloop_cpu_decode_<isa>`. torch's extension builder compiles with ninja into its per-user cache
 on first use (about 40 s per build here), in a directory of its own per checkout, and reuses a
-build while the source, headers and flags are unchanged. Builds carry their instruction set in their name, and only a build this CPU can run is
-ever loaded, so a cache shared between machines never hands an AVX-512 build to an AVX2 CPU. A
-build runs under an OS file lock (`_build_lock`), so one killed mid-compile cannot hang later starts. It
-links OpenMP so that `at::parallel_for` runs on torch's own thread pool (both load the
-`libgomp.so.1` torch ships).
+build while the source, headers and flags are unchanged. Builds carry their instruction set in
+their name, and only a build this CPU can run is ever loaded, so a cache shared between machines
+never hands an AVX-512 build to an AVX2 CPU. A build runs under an OS file lock (`_build_lock`), so
+one killed mid-compile cannot hang later starts. It links OpenMP so that `at::parallel_for` runs on
+torch's own thread pool (both load the `libgomp.so.1` torch ships).
 
 This file only builds and loads; which build this process uses is `cpu_plan()` (logged once), and
 when to use the kernels is `engine/cpu/fused_decode.py`'s and `engine/cpu/linear.py`'s business. Where

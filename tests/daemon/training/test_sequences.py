@@ -40,7 +40,8 @@ def test_a_directory_of_jsonl_names_its_files_instead_of_reading_them(tmp_path: 
     # `generate --out` writes train.jsonl beside heldout.jsonl: the directory must not read as one set.
     write_jsonl(tmp_path / "train.jsonl", SEQS)
     write_jsonl(tmp_path / "heldout.jsonl", SEQS[:1])
-    with pytest.raises(ValueError, match=r"holds no Parquet files; pass JSONL files one by one \(.*heldout.jsonl, .*train.jsonl\)"):
+    named = r"holds no Parquet files; pass JSONL files one by one \(.*heldout.jsonl, .*train.jsonl\)"
+    with pytest.raises(ValueError, match=named):
         read_sequences([tmp_path])
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="holds no Parquet files$"):
