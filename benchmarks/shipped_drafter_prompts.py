@@ -1,10 +1,13 @@
-"""The prompt files for a second round of the shipped drafter, for `specloop generate --source file`.
+"""The prompt files for the shipped drafter's later rounds, for `specloop generate --source file`.
 
-Writes two JSONL files of `{"messages": [...]}` into `--out`:
+Writes three JSONL files of `{"messages": [...]}` into `--out`:
 
 - `heldout.jsonl`: the 72 held-out prompts of the first round's data (`--source evals --per-task 8
   --limit 1536`, seed 0, held out by prompt hash at 0.05): every shipped drafter is compared on the
   target's answers to these, and none was trained on them.
+- `round1.jsonl`: all 1,536 prompts of the first round (held-out ones included: generate holds the
+  same 72 out again, by prompt hash). Round 4 answered `round1.jsonl` followed by the first 1,536
+  lines of `round2.jsonl`.
 - `round2.jsonl`: `--per-task 16 --seed 11` over all tasks, without the first round's 1,536 prompts and
   without repeats, in a seeded random order. The first round's `--limit` took only the first tasks in
   file order; in random order, a generate run stopped after N answers holds a sample of every task.
@@ -68,6 +71,7 @@ def main() -> None:
     rows, held = round1(tok)
     args.out.mkdir(parents=True, exist_ok=True)
     write(args.out / "heldout.jsonl", [p for ids, p in rows if ids in held])
+    write(args.out / "round1.jsonl", [p for _, p in rows])
     write(args.out / "round2.jsonl", round2(tok, {ids for ids, _ in rows}))
     print(json.dumps({"round1": len(rows), "heldout": len(held)}))
 
