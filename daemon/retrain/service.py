@@ -75,6 +75,7 @@ class RetrainDaemon:
         self.metrics = DaemonMetrics()
         self.owner = daemon_identity()
         self.stop = threading.Event()
+        self._ticking = threading.Lock()  # held by a tick, so that shutdown() can wait for it
         self.current_run: str | None = None
         self.last_tick: TickReport | None = None
         self.scheduler = BackgroundScheduler(
@@ -99,6 +100,11 @@ class RetrainDaemon:
     def shutdown(self) -> None:
         """Stop: a run in progress is abandoned at its next check, and waited for."""
         self.stop.set()
+        # Wait for the tick here, not in the scheduler: APScheduler 3's shutdown(wait=True) holds the
+        # job-store lock while it waits for running jobs, and a tick ends by reading its next run
+        # time from the job store. Waiting there deadlocked; `make run` killed the daemon after 90 s.
+        with self._ticking:
+            pass
         if self.scheduler.running:
             self.scheduler.shutdown(wait=True)
         _DAEMONS.pop(self.base_model, None)
@@ -108,7 +114,13 @@ class RetrainDaemon:
         return None if job is None else job.next_run_time
 
     def tick(self) -> TickReport:
-        """Check the triggers; run when one fires and the lease is ours."""
+        """Check the triggers; run when one fires and the lease is ours. After `shutdown()`, nothing."""
+        with self._ticking:
+            if self.stop.is_set():
+                return TickReport(datetime.now(UTC), TickDecision(False, "the daemon is stopping"))
+            return self._tick()
+
+    def _tick(self) -> TickReport:
         now = datetime.now(UTC)
         try:
             decision = decide_tick(self.policy, self.situation(now))

@@ -2,6 +2,7 @@
 runs on restart, coalesced), a tick trains only when a trigger fires, and the HTTP side reports
 health, metrics and status."""
 
+import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -64,6 +65,24 @@ def test_the_tick_job_survives_a_restart_and_a_missed_tick_runs_once(make_loop: 
         assert len(runs) == 1 and runs[0].outcome in (Outcome.PROMOTED, Outcome.REFUSED), runs[0].detail
     finally:
         restarted.shutdown()
+
+
+def test_shutdown_during_a_scheduled_run_abandons_it_and_returns(make_loop: Callable[..., Loop],
+                                                                  consent_id: str) -> None:
+    # A run that would train for minutes; the tick job is made due now, so the scheduler runs it.
+    loop = make_loop(HOURLY.replace("max_steps: 12,", "max_steps: 100000,"))
+    store_traces(loop.settings.traces_root, loop.target, consent_id, 40)
+    daemon = daemon_of(loop)
+    daemon.start()
+    daemon.scheduler.modify_job(tick_job_id(loop.base_model), next_run_time=datetime.now(UTC))
+    wait_for(lambda: daemon.current_run)
+    stopping = threading.Thread(target=daemon.shutdown, daemon=True)
+    stopping.start()
+    stopping.join(60)
+    assert not stopping.is_alive(), "shutdown() did not return while a scheduled run was stopping"
+    runs = daemon.loop.runs.runs()
+    assert len(runs) == 1 and runs[0].outcome == Outcome.ABANDONED, runs
+    assert daemon.tick().decision.reason == "the daemon is stopping"
 
 
 def test_a_tick_without_a_trigger_does_not_run(make_loop: Callable[..., Loop], consent_id: str) -> None:
