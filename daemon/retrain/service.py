@@ -13,7 +13,8 @@ It loads the target once, then runs two jobs on an APScheduler 3.x `BackgroundSc
 
 At start it finishes what a killed daemon left (`run.resume_promotion`). `shutdown()` (SIGTERM, via
 the HTTP server's lifespan) sets the stop event: a run in training stops within a few steps and is
-recorded as abandoned, with nothing registered; the scheduler waits for it.
+recorded as abandoned, with nothing registered; `shutdown()` waits for it before it stops the
+scheduler.
 
 Not here: the HTTP endpoints (`daemon/retrain/http.py`), a run's steps (`run.py`).
 """
