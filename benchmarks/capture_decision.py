@@ -21,10 +21,10 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from consent.capture import CapturePolicy
-from consent.pseudonym import Pseudonymizer
-from consent.registry import ConsentRegistry
-from consent.tenants import TenantDirectory, TenantPolicy
+from specloop.consent.capture import CapturePolicy
+from specloop.consent.pseudonym import Pseudonymizer
+from specloop.consent.registry import ConsentRegistry
+from specloop.consent.tenants import TenantDirectory, TenantPolicy
 
 WORDS = ("the model drafts a block of tokens and the target verifies them in one pass so that "
          "accepted tokens cost a fraction of a decode step while rejected ones cost nothing more "

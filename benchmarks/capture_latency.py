@@ -52,9 +52,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from storage.broker import EmbeddedBroker, ensure_topics
+from specloop.storage.broker import EmbeddedBroker, ensure_topics
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is not an installed package
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # `benchmarks`; last, so no folder shadows a package
 from benchmarks.server_process import Server, server_process  # noqa: E402
 from benchmarks.tiny_model import write_tiny_hf_model  # noqa: E402
 

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from daemon.training.config import TrainConfig
-from daemon.training.sequences import read_sequences
-from daemon.training.trainer import Trainer
-from engine.loaders.load import load_for_inference
+from specloop.daemon.training.config import TrainConfig
+from specloop.storage.sequences import read_sequences
+from specloop.daemon.training.trainer import Trainer
+from specloop.engine.loaders.load import load_for_inference
 
 RECIPES = {
     "b16-32anchors-fp32": dict(block_size=16, num_anchors=32),

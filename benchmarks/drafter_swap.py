@@ -29,11 +29,11 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is not an installed package
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # `benchmarks`; last, so no folder shadows a package
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.server_process import server_process  # noqa: E402
-from engine.speculation.drafter_artifact import read_meta  # noqa: E402
-from storage.registry import CHAMPION, DrafterRegistry  # noqa: E402
+from specloop.engine.speculation.drafter_artifact import read_meta  # noqa: E402
+from specloop.storage.registry import CHAMPION, DrafterRegistry  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "drafter_swap.json"
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis briefly.",

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from daemon.training.config import TrainConfig
-from daemon.training.sequences import read_sequences
-from daemon.training.trainer import Trainer
-from engine.loaders.load import load_model
+from specloop.daemon.training.config import TrainConfig
+from specloop.storage.sequences import read_sequences
+from specloop.daemon.training.trainer import Trainer
+from specloop.engine.loaders.load import load_model
 
 
 def measure(cfg: TrainConfig, loaded, sequences: list, warmup: int) -> dict:  # noqa: ANN001 (LoadedModel)

@@ -45,14 +45,14 @@ from pathlib import Path
 import httpx
 import torch
 
-from engine.cpu.linear import optimize_for_cpu_inference
-from engine.loaders.load import build_model, default_model_path, read_stored_model, resolve_device
-from engine.model.tokenizer import Tokenizer
-from engine.model.transformer import Transformer
-from engine.runtime.llm_engine import EngineConfig, LLMEngine
-from engine.runtime.sequence import SamplingParams
+from specloop.engine.cpu.linear import optimize_for_cpu_inference
+from specloop.engine.loaders.load import build_model, default_model_path, read_stored_model, resolve_device
+from specloop.engine.model.tokenizer import Tokenizer
+from specloop.engine.model.transformer import Transformer
+from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from specloop.engine.runtime.sequence import SamplingParams
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is not an installed package
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # `benchmarks`; last, so no folder shadows a package
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.transformers_reference import transformers_llama  # noqa: E402
 from benchmarks.server_process import server_process  # noqa: E402

@@ -21,21 +21,21 @@ from pathlib import Path
 
 import torch
 
-import engine.cpu.fused_decode as fused_decode
-from daemon.evaluation.live import generate_stats
-from daemon.shipped_drafters import shipped_drafters
-from daemon.training.prompts import prompt_set
-from daemon.training.sequences import TokenSequence
-from daemon.traffic.replay import traffic_split
-from engine.loaders.load import load_for_inference, resolve_device
-from engine.runtime.llm_engine import EngineConfig, LLMEngine
-from engine.runtime.sequence import SamplingParams
-from engine.speculation.combined import CombinedProposer
-from engine.speculation.dflash_proposer import DFlashProposer
-from engine.speculation.drafter_artifact import load_drafter
-from engine.speculation.ngram import NgramProposer
+import specloop.engine.cpu.fused_decode as fused_decode
+from specloop.daemon.evaluation.live import generate_stats
+from specloop.daemon.shipped_drafters import shipped_drafters
+from specloop.daemon.training.prompts import prompt_set
+from specloop.storage.sequences import TokenSequence
+from specloop.daemon.traffic.sender import traffic_split
+from specloop.engine.loaders.load import load_for_inference, resolve_device
+from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from specloop.engine.runtime.sequence import SamplingParams
+from specloop.engine.speculation.combined import CombinedProposer
+from specloop.engine.speculation.dflash_proposer import DFlashProposer
+from specloop.engine.speculation.drafter_artifact import load_drafter
+from specloop.engine.speculation.ngram import NgramProposer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is not an installed package
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # `benchmarks`; last, so no folder shadows a package
 from benchmarks.machine import describe  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "kernel_rows.json"

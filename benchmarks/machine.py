@@ -3,7 +3,7 @@ how fast it reads memory, the paths our kernels took on it, torch's own dispatch
 llama.cpp's build when it is installed. Figures from different CPUs are not comparable; this says
 which CPU a figure belongs to.
 
-Not a benchmark itself, and it decides nothing: the CPU paths are `kernels.cpu_decode.cpu_plan()`.
+Not a benchmark itself, and it decides nothing: the CPU paths are `specloop.kernels.cpu_decode.cpu_plan()`.
 """
 
 import importlib.util
@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from kernels.cpu_decode import cpu_plan, this_cpu
-from kernels.cpu_features import FORCE_VARIABLE
+from specloop.kernels.cpu_decode import cpu_plan, this_cpu
+from specloop.kernels.cpu_features import FORCE_VARIABLE
 
 
 def describe() -> dict[str, object]:

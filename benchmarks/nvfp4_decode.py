@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from engine.loaders.load import default_model_path, load_for_inference
-from engine.loaders.weight_format import WeightFormat
+from specloop.engine.loaders.load import default_model_path, load_for_inference
+from specloop.engine.loaders.weight_format import WeightFormat
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is not an installed package
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # `benchmarks`; last, so no folder shadows a package
 from benchmarks.engine_throughput import (  # noqa: E402
     Row,
     Runner,

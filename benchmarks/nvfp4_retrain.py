@@ -40,20 +40,21 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # `benchmarks` is not an installed package
+sys.path.append(str(ROOT))  # `benchmarks`; last, so that no folder of the checkout shadows a package
 from benchmarks.machine import describe
 from benchmarks.nvfp4_quality import drafter_heldout_evals, greedy, humaneval_chat_prompts, shown
-from daemon.evaluation.replay import replay
-from daemon.training.sequences import TokenSequence, read_sequences
-from engine.loaders.load import LoadedModel, load_for_inference
-from engine.loaders.weight_format import WeightFormat
-from engine.model.tokenizer import Tokenizer
-from engine.model.transformer import Transformer
-from engine.speculation.combined import CombinedProposer
-from engine.speculation.dflash import DFlashDrafter
-from engine.speculation.dflash_proposer import DFlashProposer
-from engine.speculation.drafter_artifact import load_drafter, read_meta
-from engine.speculation.ngram import NgramProposer
+from specloop.daemon.child_command import specloop_command
+from specloop.daemon.evaluation.replay import replay
+from specloop.storage.sequences import TokenSequence, read_sequences
+from specloop.engine.loaders.load import LoadedModel, load_for_inference
+from specloop.engine.loaders.weight_format import WeightFormat
+from specloop.engine.model.tokenizer import Tokenizer
+from specloop.engine.model.transformer import Transformer
+from specloop.engine.speculation.combined import CombinedProposer
+from specloop.engine.speculation.dflash import DFlashDrafter
+from specloop.engine.speculation.dflash_proposer import DFlashProposer
+from specloop.engine.speculation.drafter_artifact import load_drafter, read_meta
+from specloop.engine.speculation.ngram import NgramProposer
 
 RESULTS = Path(__file__).parent / "results" / "nvfp4_retrain.json"
 SHIPPED = ROOT / "daemon" / "drafters" / "SmolLM2-135M-Instruct"
@@ -110,7 +111,7 @@ def run_step(name: str, argv: list[str], done: Path) -> dict:
         return {"command": line, "reused": True}
     print(f"{name}: {line}", flush=True)
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "daemon.cli", *argv], check=True, cwd=ROOT)
+    subprocess.run(specloop_command(*argv), check=True, cwd=ROOT)
     return {"command": line, "reused": False, "seconds": round(time.perf_counter() - started, 1)}
 
 

@@ -4,7 +4,7 @@ daemon has promoted a drafter retrained on the demo's traffic and the engine ser
 The traffic (`--prompts`: the demo's formal-logic prompts by default, or HumanEval code prompts)
 comes from a domain the shipped drafter (trained on OpenAI `evals` chat prompts sampled across all
 tasks) was not trained on. `specloop replay` holds out a share of the prompts by hash and never sends them
-(`daemon.traffic.replay.traffic_split`); this script measures τ on exactly those:
+(`specloop.daemon.traffic.sender.traffic_split`); this script measures τ on exactly those:
 
 - live: the held-out prompts sent to the engine anonymously (so never captured) before the cycle
   and again once the engine serves the promoted drafter, τ pooled from each response's
@@ -35,12 +35,12 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is not an installed package
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # `benchmarks`; last, so no folder shadows a package
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.server_process import wait_ready  # noqa: E402
-from daemon.traffic.replay import traffic_split  # noqa: E402
-from daemon.training.prompts import prompt_set  # noqa: E402
-from storage.broker import free_port  # noqa: E402
+from specloop.daemon.traffic.sender import traffic_split  # noqa: E402
+from specloop.daemon.training.prompts import prompt_set  # noqa: E402
+from specloop.storage.broker import free_port  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 HELDOUT_FRACTION = 0.25  # `specloop replay`'s default, which `specloop up --demo` uses
@@ -158,13 +158,13 @@ def replayed(data: Path, heldout: list, version: str) -> dict:
     """The target's greedy answers to the held-out prompts, replayed with every proposer."""
     import torch
 
-    from daemon.evaluation.replay import compare
-    from daemon.shipped_drafters import shipped_drafters
-    from daemon.training.sequences import TokenSequence
-    from engine.loaders.load import load_for_inference, resolve_device
-    from engine.runtime.llm_engine import EngineConfig, LLMEngine
-    from engine.runtime.sequence import SamplingParams
-    from storage.registry import DrafterRegistry
+    from specloop.daemon.evaluation.replay import compare
+    from specloop.daemon.shipped_drafters import shipped_drafters
+    from specloop.storage.sequences import TokenSequence
+    from specloop.engine.loaders.load import load_for_inference, resolve_device
+    from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
+    from specloop.engine.runtime.sequence import SamplingParams
+    from specloop.storage.registry import DrafterRegistry
 
     loaded = load_for_inference(None, torch.bfloat16, resolve_device(None))
     tok = loaded.tokenizer

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from storage.broker import free_port
+from specloop.storage.broker import free_port
 
 READY_S = 300  # the first start on a fresh machine also builds the CPU kernels
 

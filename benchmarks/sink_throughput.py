@@ -41,10 +41,10 @@ import pyarrow as pa
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 from prometheus_client import CollectorRegistry
 
-from storage.broker import EmbeddedBroker, ensure_topics
-from storage.layout import write_parquet_atomic
-from storage.schema import Trace, TraceSampling, TraceSpecStats, decode_row, decode_trace, rows_to_arrow, to_arrow
-from storage.sink import SinkConfig, TraceSink
+from specloop.storage.broker import EmbeddedBroker, ensure_topics
+from specloop.storage.layout import write_parquet_atomic
+from specloop.storage.schema import Trace, TraceSampling, TraceSpecStats, decode_row, decode_trace, rows_to_arrow, to_arrow
+from specloop.storage.sink import SinkConfig, TraceSink
 
 RESULTS = Path(__file__).parent / "results" / "sink_throughput.json"
 SHAPES = {"short": ("short (64+64 tokens)", (64, 64)), "long": ("long (256+256 tokens)", (256, 256)),

@@ -44,22 +44,22 @@ from pathlib import Path
 
 import torch
 
-from daemon.training.sequences import read_sequences
-from engine.cpu.linear import optimize_for_cpu_inference
-from engine.loaders.load import build_model, read_stored_model, resolve_device
-from engine.loaders.stored_model import StoredModel
-from engine.model.fingerprint import base_model_fingerprint
-from engine.model.transformer import Transformer
-from engine.runtime.llm_engine import EngineConfig, LLMEngine
-from engine.runtime.sequence import SamplingParams, SpecStats
-from engine.speculation.combined import CombinedProposer
-from engine.speculation.dflash import DFlashDrafter
-from engine.speculation.dflash_proposer import DFlashProposer
-from engine.speculation.drafter_artifact import load_drafter
-from engine.speculation.ngram import NgramProposer
-from engine.speculation.proposer import Proposer
+from specloop.storage.sequences import read_sequences
+from specloop.engine.cpu.linear import optimize_for_cpu_inference
+from specloop.engine.loaders.load import build_model, read_stored_model, resolve_device
+from specloop.engine.loaders.stored_model import StoredModel
+from specloop.engine.model.fingerprint import base_model_fingerprint
+from specloop.engine.model.transformer import Transformer
+from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from specloop.engine.runtime.sequence import SamplingParams, SpecStats
+from specloop.engine.speculation.combined import CombinedProposer
+from specloop.engine.speculation.dflash import DFlashDrafter
+from specloop.engine.speculation.dflash_proposer import DFlashProposer
+from specloop.engine.speculation.drafter_artifact import load_drafter
+from specloop.engine.speculation.ngram import NgramProposer
+from specloop.engine.speculation.proposer import Proposer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is not an installed package
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # `benchmarks`; last, so no folder shadows a package
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.transformers_reference import transformers_llama  # noqa: E402
 

@@ -22,15 +22,15 @@ from pathlib import Path
 import jsonschema
 import torch
 
-from daemon.shipped_drafters import shipped_drafters
-from engine.loaders.load import load_for_inference
-from engine.runtime.grammar import Grammar, GrammarCompiler
-from engine.runtime.llm_engine import EngineConfig, LLMEngine
-from engine.runtime.sequence import SamplingParams, SpecStats
-from engine.speculation.build import build_proposer
-from engine.speculation.drafter_artifact import load_drafter
+from specloop.daemon.shipped_drafters import shipped_drafters
+from specloop.engine.loaders.load import load_for_inference
+from specloop.engine.runtime.grammar import Grammar, GrammarCompiler
+from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from specloop.engine.runtime.sequence import SamplingParams, SpecStats
+from specloop.engine.speculation.build import build_proposer
+from specloop.engine.speculation.drafter_artifact import load_drafter
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is not an installed package
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # `benchmarks`; last, so no folder shadows a package
 from benchmarks.machine import describe  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "structured_output.json"

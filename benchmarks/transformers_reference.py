@@ -10,7 +10,7 @@ transformers is a test dependency only; nothing that serves imports this file.
 
 import torch
 
-from engine.loaders.stored_model import StoredModel
+from specloop.engine.loaders.stored_model import StoredModel
 
 
 def transformers_llama(stored: StoredModel, dtype: torch.dtype = torch.float32,

@@ -29,15 +29,15 @@ from pathlib import Path
 
 import torch
 
-from engine.cpu.fused_decode import FusedDecoder
-from engine.cpu.linear import optimize_for_cpu_inference
-from engine.loaders.load import build_model, read_stored_model
-from engine.model.attention import cache_dtype
-from engine.runtime.kv_cache import AttnBatch, KVCache
-from kernels.cpu_decode import SOURCE as KERNEL
-from kernels.cpu_decode import compile_module, cpu_plan
+from specloop.engine.cpu.fused_decode import FusedDecoder
+from specloop.engine.cpu.linear import optimize_for_cpu_inference
+from specloop.engine.loaders.load import build_model, read_stored_model
+from specloop.engine.model.attention import cache_dtype
+from specloop.engine.model.kv_cache import AttnBatch, KVCache
+from specloop.kernels.cpu_decode import SOURCE as KERNEL
+from specloop.kernels.cpu_decode import compile_module, cpu_plan
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is not an installed package
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # `benchmarks`; last, so no folder shadows a package
 from benchmarks.machine import describe  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "verify_pass.json"

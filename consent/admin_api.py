@@ -6,7 +6,7 @@ unauthenticated caller learns nothing from validation errors. Errors use the Ope
 `{"error": {"message", "type", "param", "code"}}`: 401 without a token, 403 with a wrong one, 400
 naming the field for a bad body (FastAPI's default would be a 422 in its own shape). Raw user ids are
 accepted only in request bodies, never in URLs, which end up in access logs. This module holds no
-consent logic; that is `consent.service`.
+consent logic; that is `specloop.consent.service`.
 """
 
 import hmac
@@ -20,11 +20,11 @@ from fastapi.routing import APIRoute
 from pydantic import AwareDatetime, BaseModel, ConfigDict
 from starlette.exceptions import HTTPException
 
-from consent.erasure import TraceEraser
-from consent.registry import ConsentRecord, ConsentRegistry, InvalidField
-from consent.service import ConsentService, record_fields
-from consent.settings import ConsentConfig
-from consent.tenants import TenantDirectory
+from specloop.consent.erasure import TraceEraser
+from specloop.consent.registry import ConsentRecord, ConsentRegistry, InvalidField
+from specloop.consent.service import ConsentService, record_fields
+from specloop.consent.settings import ConsentConfig
+from specloop.consent.tenants import TenantDirectory
 
 
 class _Body(BaseModel):

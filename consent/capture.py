@@ -18,11 +18,11 @@ from enum import StrEnum
 
 from prometheus_client import CollectorRegistry, Counter
 
-from consent import pii
-from consent.pseudonym import Pseudonymizer
-from consent.registry import ConsentRecord, ConsentRegistry
-from consent.settings import PiiMode
-from consent.tenants import TenantDirectory, TenantPolicy
+from specloop.consent import pii
+from specloop.consent.pseudonym import Pseudonymizer
+from specloop.consent.registry import ConsentRecord, ConsentRegistry
+from specloop.consent.settings import PiiMode
+from specloop.consent.tenants import TenantDirectory, TenantPolicy
 
 log = logging.getLogger(__name__)
 

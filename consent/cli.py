@@ -1,7 +1,7 @@
 """`specloop consent grant|revoke|list`: consent administration from a shell.
 
 Reads the same `SPECLOOP_*` settings as the engine (so it pseudonymizes with the same key and
-writes the same registry and audit log) and calls `consent.service`; it holds no consent logic.
+writes the same registry and audit log) and calls `specloop.consent.service`; it holds no consent logic.
 Errors an operator can fix exit with status 2 and name the option. `register` takes storage's trace
 eraser from the caller (`daemon/cli.py`), since consent does not import storage.
 """
@@ -15,11 +15,11 @@ from typing import Annotated
 
 import typer
 
-from consent.erasure import TraceEraser
-from consent.registry import ConsentRecord, ConsentRegistry, InvalidField
-from consent.service import ConsentService, record_fields
-from consent.settings import ConsentSettings
-from consent.tenants import TenantDirectory
+from specloop.consent.erasure import TraceEraser
+from specloop.consent.registry import ConsentRecord, ConsentRegistry, InvalidField
+from specloop.consent.service import ConsentService, record_fields
+from specloop.consent.settings import ConsentSettings
+from specloop.consent.tenants import TenantDirectory
 
 consent_app = typer.Typer(no_args_is_help=True, help="Grant, revoke and list consent records.")
 

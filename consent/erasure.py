@@ -7,7 +7,7 @@ many rows and files were rewritten. A failed erasure is audited as failed and re
 simply be run again.
 
 This module does not touch Parquet, and consent does not import storage: the eraser
-(`storage.erasure.erase_subject`) is handed in by the code above both that joins them, the
+(`specloop.storage.erasure.erase_subject`) is handed in by the code above both that joins them, the
 engine's trace hook (`engine/server/trace_hook.py`, for the admin API) and the command line root
 (`daemon/cli.py`, for `specloop consent revoke --erase`).
 """
@@ -18,8 +18,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from consent.audit import append_audit
-from consent.registry import ConsentRecord, ConsentRegistry
+from specloop.consent.audit import append_audit
+from specloop.consent.registry import ConsentRecord, ConsentRegistry
 
 # (traces root, tenant, subject pseudonym) -> a dataclass reporting the files and rows rewritten.
 TraceEraser = Callable[[Path, str, str], Any]

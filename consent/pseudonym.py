@@ -2,7 +2,7 @@
 
 The raw user id never leaves this module: callers get a 64-hex-digit pseudonym that is stable for
 one key, differs across tenants for the same user id, and cannot be reversed or recomputed without
-the key. This module is not key management; the key comes from `consent.settings`.
+the key. This module is not key management; the key comes from `specloop.consent.settings`.
 """
 
 import hashlib

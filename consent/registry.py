@@ -4,7 +4,7 @@ A record says that a subject (a pseudonym, never a raw user id) of a tenant agre
 version, that their traffic may be used for a purpose, from `granted_at` until it expires or is
 revoked. Records are never deleted: revocation stamps `revoked_at`, so the history stays auditable
 and a dataset build can join against the full table (`snapshot`). This module is not the capture
-decision (`consent.capture`) and does not erase traces (`consent.erasure`).
+decision (`specloop.consent.capture`) and does not erase traces (`specloop.consent.erasure`).
 
 Timestamps are stored as integer microseconds since the Unix epoch, UTC; the API takes and returns
 timezone-aware datetimes only. One connection serves all threads behind a lock: WAL mode lets other
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from consent.pseudonym import is_pseudonym
+from specloop.consent.pseudonym import is_pseudonym
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _PURPOSE = re.compile(r"[a-z][a-z0-9_]{0,63}")

@@ -3,19 +3,19 @@
 It turns what an operator names (a tenant, a raw user id or a pseudonym) into registry calls,
 fills purpose and policy version from the tenant's policy, audits every change, and raises
 `InvalidField` naming the offending field for anything the operator got wrong. It is not
-transport: `consent.cli` and `consent.admin_api` only parse arguments and render results.
+transport: `specloop.consent.cli` and `specloop.consent.admin_api` only parse arguments and render results.
 """
 
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from consent.audit import append_audit
-from consent.erasure import TraceEraser, revoke_and_erase
-from consent.pseudonym import Pseudonymizer, is_pseudonym
-from consent.registry import ConsentRecord, ConsentRegistry, InvalidField
-from consent.settings import ConsentConfig
-from consent.tenants import TenantDirectory, TenantPolicy
+from specloop.consent.audit import append_audit
+from specloop.consent.erasure import TraceEraser, revoke_and_erase
+from specloop.consent.pseudonym import Pseudonymizer, is_pseudonym
+from specloop.consent.registry import ConsentRecord, ConsentRegistry, InvalidField
+from specloop.consent.settings import ConsentConfig
+from specloop.consent.tenants import TenantDirectory, TenantPolicy
 
 
 @dataclass(frozen=True)

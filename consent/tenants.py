@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 
-from consent.settings import PiiMode
+from specloop.consent.settings import PiiMode
 
 ANONYMOUS_NAME = "anonymous"
 DEFAULT_PURPOSE = "drafter_training"

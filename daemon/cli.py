@@ -5,7 +5,7 @@ Each package owns its commands in its own module and exposes `register(app)`; th
 collects them and configures logging before any command runs (`specloop --log-level debug serve`,
 or `SPECLOOP_LOG_LEVEL`). The command modules import their heavy dependencies (torch, FastAPI,
 Kafka clients) inside the commands, so `specloop --help` stays fast. Child processes that
-`specloop up` starts run this same app (`python -m daemon.cli sink ...`), so they log the same way.
+`specloop up` starts run this same app (`python -m specloop.daemon.cli sink ...`), so they log the same way.
 """
 
 import logging
@@ -14,18 +14,18 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from consent import cli as consent_cli
-from daemon import stack
-from daemon.retrain import cli as retrain_cli
-from daemon.traffic import replay
-from daemon.training import build_dataset, generate
-from daemon.training import cli as training_cli
-from engine.loaders import cli as loaders_cli
-from engine.server import cli as engine_cli
-from storage import cli as storage_cli
+from specloop.consent import cli as consent_cli
+from specloop.daemon import stack
+from specloop.daemon.retrain import cli as retrain_cli
+from specloop.daemon.traffic import sender
+from specloop.daemon.training import build_dataset, generate
+from specloop.daemon.training import cli as training_cli
+from specloop.engine.loaders import cli as loaders_cli
+from specloop.engine.server import cli as engine_cli
+from specloop.storage import cli as storage_cli
 
 if TYPE_CHECKING:
-    from storage.erasure import ErasureResult
+    from specloop.storage.erasure import ErasureResult
 
 LogLevel = Literal["critical", "error", "warning", "info", "debug"]
 
@@ -36,13 +36,13 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help="specloop: a 
 def _erase_traces(root: Path, tenant: str, subject: str) -> "ErasureResult":
     """storage's Parquet rewrite for `specloop consent revoke --erase`: here, above both consent and
     storage, is where the two meet (imported when used: pyarrow and DuckDB would slow every command)."""
-    from storage.erasure import erase_subject
+    from specloop.storage.erasure import erase_subject
 
     return erase_subject(root, tenant, subject)
 
 
 for module in (engine_cli, loaders_cli, generate, training_cli, build_dataset, storage_cli, stack, retrain_cli,
-               replay):
+               sender):
     module.register(app)
 consent_cli.register(app, _erase_traces)
 

@@ -15,7 +15,7 @@ import json
 import logging
 from pathlib import Path
 
-from storage.registry import CHAMPION, DrafterRegistry, DrafterVersion
+from specloop.storage.registry import CHAMPION, DrafterRegistry, DrafterVersion
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 It starts the embedded tansu broker (memory storage; `--durable` puts it on S3 storage against a
 local moto server, so a broker restart keeps topics and offsets, though moto itself keeps them in
-memory only), creates the trace topics, starts the sink (`python -m daemon.cli sink`, its own
+memory only), creates the trace topics, starts the sink (`python -m specloop.daemon.cli sink`, its own
 process) writing Parquet under the consent settings' traces root (`data/traces`), then serves the
 model with trace capture pointed at the broker, drafting with the `champion` drafter of the embedded
 MLflow registry (`data/registry/`, SQLite and local artifacts), which the shipped drafter seeds
@@ -35,13 +35,14 @@ from typing import IO, TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from consent.settings import SECRETS_FILE
-from storage.broker import free_port
-from storage.child_process import die_with_parent
+from specloop.consent.settings import SECRETS_FILE
+from specloop.daemon.child_command import specloop_command
+from specloop.storage.broker import free_port
+from specloop.storage.child_process import die_with_parent
 
 if TYPE_CHECKING:
-    from consent.settings import ConsentConfig
-    from engine.server.settings import ServerSettings
+    from specloop.consent.settings import ConsentConfig
+    from specloop.engine.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ _SINK_CATCH_UP_S = 2.0
 _SINK_STOP_S = 60
 # A run in training stops within about 10 steps of SIGTERM (daemon/retrain/challenger.py).
 _DAEMON_STOP_S = 90
-POLICIES = Path(__file__).resolve().parents[1] / "deploy" / "policies"
+POLICIES = Path(__file__).resolve().parent / "policies"  # package data: `specloop up` runs outside a checkout
 DEMO_TENANT = "demo"
 # The demo traffic's prompt sets (`daemon/training/prompts.py`); formal-logic is the default, the
 # narrow domain where one cycle reached +50% τ (daemon/training/prompt_sets/README.md).
@@ -99,8 +100,8 @@ def up(
     daemon_port: Annotated[int, typer.Option(help="The daemon's /health and /metrics port; 0 picks one")] = 8100,
 ) -> None:
     """Run broker, sink, server with trace capture, and the retraining daemon, until SIGINT/SIGTERM."""
-    from consent.settings import ConsentSettings
-    from engine.server.cli import load_settings, run_server
+    from specloop.consent.settings import ConsentSettings
+    from specloop.engine.server.cli import load_settings, run_server
 
     broker_port = broker_port or free_port()
     options = {k: v for k, v in {"model": model, "host": host, "port": port}.items() if v is not None}
@@ -151,7 +152,7 @@ def _demo_tenant(data_dir: Path) -> str:
 
 def _start_mlflow_ui(stack: ExitStack, registry: str, port: int, logs: Path) -> None:
     """MLflow's server over the registry's database, for its UI: versions, tags, aliases, runs."""
-    command = [str(Path(sys.executable).with_name("mlflow")), "server", "--backend-store-uri", registry,
+    command = [sys.executable, "-P", "-m", "mlflow", "server", "--backend-store-uri", registry,
                "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
     _child(stack, "MLflow UI", command, _log_file(stack, logs / "mlflow.log"))
     log.info("MLflow UI on http://127.0.0.1:%d (logs in %s)", port, logs / "mlflow.log")
@@ -160,11 +161,11 @@ def _start_mlflow_ui(stack: ExitStack, registry: str, port: int, logs: Path) -> 
 def _start_daemon(stack: ExitStack, settings: "ServerSettings", consent: "ConsentConfig", engine_url: str,
                   demo: bool, port: int, data_dir: Path) -> None:
     policy = POLICIES / ("demo.yaml" if demo else "default.yaml")
-    command = [sys.executable, "-m", "daemon.cli", "daemon", "--policy", str(policy), "--registry", settings.registry,
-               "--traces-root", str(consent.traces_root), "--consent-db", str(consent.registry_path),
-               "--state-db", f"sqlite:///{(data_dir / 'daemon' / 'state.db').resolve()}",
-               "--work-dir", str(data_dir / "daemon" / "runs"), "--engine", engine_url, "--port", str(port),
-               "--plot", str(data_dir / "daemon" / "live_tau.png")]
+    command = specloop_command("daemon", "--policy", str(policy), "--registry", settings.registry,
+                               "--traces-root", str(consent.traces_root), "--consent-db", str(consent.registry_path),
+                               "--state-db", f"sqlite:///{(data_dir / 'daemon' / 'state.db').resolve()}",
+                               "--work-dir", str(data_dir / "daemon" / "runs"), "--engine", engine_url,
+                               "--port", str(port), "--plot", str(data_dir / "daemon" / "live_tau.png"))
     if settings.model is not None:
         command += ["--model", settings.model]
     _child(stack, "retraining daemon", command, None, stop_s=_DAEMON_STOP_S)
@@ -176,11 +177,10 @@ def _start_demo_traffic(stack: ExitStack, engine_url: str, key: str, admin_token
     """`specloop replay` of the demo's prompts, over and over, as consented users of the demo tenant;
     paused while the daemon trains, which on 2 cores would otherwise run at half speed."""
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "daemon.cli", "replay", "--url", engine_url, "--source", prompts,
-               "--api-key", key, "--tenant", DEMO_TENANT, "--users", "8", "--concurrency", str(_DEMO_CONCURRENCY),
-               "--max-tokens", "192", "--repeat", "--record", str(out / "traffic.jsonl"),
-               "--dead-after-s", str(_DEMO_WAIT_S)] + ([] if daemon_url is None else
-                                                      ["--pause-while-training", daemon_url])
+    command = specloop_command("replay", "--url", engine_url, "--source", prompts, "--api-key", key, "--tenant",
+                               DEMO_TENANT, "--users", "8", "--concurrency", str(_DEMO_CONCURRENCY), "--max-tokens",
+                               "192", "--repeat", "--record", str(out / "traffic.jsonl"), "--dead-after-s",
+                               str(_DEMO_WAIT_S)) + ([] if daemon_url is None else ["--pause-while-training", daemon_url])
     _child(stack, "demo traffic", command, None, env={**os.environ, "SPECLOOP_ADMIN_TOKEN": admin_token})
 
 
@@ -206,8 +206,8 @@ def _stop_child(name: str, child: subprocess.Popen, stop_s: float) -> None:
 
 def _embedded_registry(data_dir: Path) -> str:
     """The embedded MLflow registry's URI, seeded with the shipped drafters."""
-    from daemon.shipped_drafters import seed_registry
-    from storage.registry import DrafterRegistry
+    from specloop.daemon.shipped_drafters import seed_registry
+    from specloop.storage.registry import DrafterRegistry
 
     directory = data_dir / "registry"
     directory.mkdir(parents=True, exist_ok=True)
@@ -231,7 +231,7 @@ def _already_stopping(number: int, _: FrameType | None) -> None:
 
 
 def _start_broker(stack: ExitStack, durable: bool, port: int, topic: str, logs: Path) -> None:
-    from storage.broker import EmbeddedBroker, LocalS3, ensure_topics
+    from specloop.storage.broker import EmbeddedBroker, LocalS3, ensure_topics
 
     logs.mkdir(parents=True, exist_ok=True)
     with _sigint_blocked():
@@ -261,9 +261,9 @@ def _start_sink(stack: ExitStack, bootstrap: str, topic: str, root: Path) -> Non
     Serving before that would let a quick start-and-stop end with traces on the broker that the
     sink never read, which memory storage then loses.
     """
-    command = [sys.executable, "-m", "daemon.cli", "sink", "--bootstrap-servers", bootstrap, "--root", str(root),
-               "--topic", topic, "--group-id", SINK_GROUP, "--dead-letter-topic", DEAD_LETTER_TOPIC,
-               "--flush-interval-s", str(_SINK_FLUSH_S)]
+    command = specloop_command("sink", "--bootstrap-servers", bootstrap, "--root", str(root), "--topic", topic,
+                               "--group-id", SINK_GROUP, "--dead-letter-topic", DEAD_LETTER_TOPIC,
+                               "--flush-interval-s", str(_SINK_FLUSH_S))
     sink = subprocess.Popen(command, start_new_session=True, preexec_fn=die_with_parent())
     stack.callback(_stop_sink, sink)
     log.info("sink (pid %d) writing Parquet under %s", sink.pid, root)

@@ -1,5 +1,6 @@
-"""The serving side: `model/` and `loaders/` (the Llama-family target and how it is read), `cpu/` (its
-CPU fast paths), `runtime/` (sequences, KV cache, scheduler, sampler, engine loop), `speculation/`
-(proposers, the DFlash drafter, the verify rule) and `server/` (the OpenAI-compatible HTTP API).
+"""The serving side, in subfolders lowest first (each imports only those before it): `model/` (the
+Llama-family target, its KV cache), `cpu/` (its CPU fast paths), `loaders/` (how a target is read),
+`speculation/` (proposers, the DFlash drafter, the verify rule), `runtime/` (sequences, scheduler,
+sampler, engine loop) and `server/` (the OpenAI-compatible HTTP API and the registry follower).
 
 Not here: anything offline (training and evaluating drafters is in `daemon/`)."""

@@ -27,7 +27,7 @@ from types import ModuleType
 
 import torch
 
-from kernels.cpu_features import CpuFeatures, CpuPlan, Isa, forced_isa, plan, runnable
+from specloop.kernels.cpu_features import CpuFeatures, CpuPlan, Isa, forced_isa, plan, runnable
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.nvfp4 import BLOCK, NVFP4Weight
+from specloop.kernels.nvfp4 import BLOCK, NVFP4Weight
 
 MAX_ROWS = 64  # decode and verify passes; larger M is a prefill, where a dense GEMM reuses each weight
 # One CTA covers BLOCK_N output columns and BLOCK_K inputs per step: for bf16 activations 256 codes,

@@ -25,7 +25,7 @@ from kafka import KafkaAdminClient
 from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
-from storage.child_process import die_with_parent
+from specloop.storage.child_process import die_with_parent
 
 _READY_TIMEOUT_S = 30.0
 _TEST_CREDENTIALS = {

@@ -1,6 +1,6 @@
 """The storage commands of `specloop`: `sink`, `compact` and `broker`.
 
-`register(app)` adds them to the one typer app (`daemon.cli`), which also sets up logging. Each
+`register(app)` adds them to the one typer app (`specloop.daemon.cli`), which also sets up logging. Each
 command validates its options, then calls one function of the storage package; no storage logic
 lives here.
 """
@@ -42,8 +42,8 @@ def sink(
     """Consume traces from Kafka into hive-partitioned Parquet until SIGTERM or SIGINT."""
     from prometheus_client import start_http_server
 
-    from storage.broker import ensure_topics
-    from storage.sink import SinkConfig, TraceSink
+    from specloop.storage.broker import ensure_topics
+    from specloop.storage.sink import SinkConfig, TraceSink
 
     try:
         config = SinkConfig(
@@ -68,7 +68,7 @@ def sink(
 
 def compact(root: Annotated[Path, _ROOT], min_files: int = 2) -> None:
     """Merge the small Parquet files of each hive directory, rows unchanged."""
-    from storage.compaction import compact as run_compaction
+    from specloop.storage.compaction import compact as run_compaction
 
     result = run_compaction(root, min_files)
     typer.echo(f"merged {result.sources_removed} files ({result.rows} rows) into {len(result.merged_files)}")
@@ -79,7 +79,7 @@ def broker(
     port: int = 9092,
 ) -> None:
     """Run the embedded tansu broker in the foreground until SIGTERM or SIGINT."""
-    from storage.broker import EmbeddedBroker, LocalS3
+    from specloop.storage.broker import EmbeddedBroker, LocalS3
 
     if storage not in ("memory", "s3"):
         raise typer.BadParameter(f"storage must be memory or s3, got {storage!r}", param_hint="--storage")

@@ -7,7 +7,7 @@ A merge of sources S in directory D runs in five durable steps:
 3. remove S;
 4. remove the manifest.
 
-`storage.layout.live_files` hides S as soon as the merged file exists, so a reader that lists
+`specloop.storage.layout.live_files` hides S as soon as the merged file exists, so a reader that lists
 through it sees every row exactly once after a crash at any step; the next `compact` (or an
 erasure) finishes the merge (`finish_pending`). Files the sink may still replay are never merged:
 for each Kafka partition the sink files with the newest first offset stay out, because only the
@@ -27,7 +27,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage.layout import (
+from specloop.storage.layout import (
     exclusive,
     parse_sink_file,
     pending_merges,
@@ -35,7 +35,7 @@ from storage.layout import (
     write_json_atomic,
     write_parquet_atomic,
 )
-from storage.schema import ARROW_SCHEMA
+from specloop.storage.schema import ARROW_SCHEMA
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ slice), `prompt_token_ids`, `response_token_ids` sorted by trace_id; `manifest.j
 digest and the consent snapshot digest.
 
 The consent snapshot is an Arrow table with columns consent_id, tenant, subject, purpose,
-policy_version, granted_at, expires_at, revoked_at (as `consent.registry.ConsentRegistry.snapshot`
+policy_version, granted_at, expires_at, revoked_at (as `specloop.consent.registry.ConsentRegistry.snapshot`
 returns). This module is not the trainer and does not read the consent registry itself.
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-from storage.layout import live_files, write_json_atomic, write_parquet_atomic
+from specloop.storage.layout import live_files, write_json_atomic, write_parquet_atomic
 
 CONSENT_COLUMNS = (
     "consent_id",

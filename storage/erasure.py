@@ -21,9 +21,9 @@ import duckdb
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from storage.compaction import finish_pending
-from storage.layout import exclusive, live_files, write_parquet_atomic
-from storage.schema import ARROW_SCHEMA
+from specloop.storage.compaction import finish_pending
+from specloop.storage.layout import exclusive, live_files, write_parquet_atomic
+from specloop.storage.schema import ARROW_SCHEMA
 
 
 @dataclass(frozen=True, slots=True)

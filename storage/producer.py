@@ -24,7 +24,7 @@ from kafka import KafkaProducer
 from kafka.errors import KafkaError
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 
-from storage.schema import Trace
+from specloop.storage.schema import Trace
 
 log = logging.getLogger(__name__)
 

@@ -25,14 +25,14 @@ The client is confluent-kafka (librdkafka): its fetching and decompression run i
 without the GIL. With kafka-python the same loop reached ~3,000 traces/s, its pure-Python record
 unpacking and I/O thread competing with validation for the one interpreter. Validation is one
 `decode_row` per record (`Trace`'s rules, token ids parsed by numpy into int32 arrays, see
-`storage.schema`), then `rows_to_arrow` per chunk. Per 256+256-token trace these took 30 + 8 us
+`specloop.storage.schema`), then `rows_to_arrow` per chunk. Per 256+256-token trace these took 30 + 8 us
 of CPU where `Trace.model_validate_json` and Arrow from its Python lists took 54 + 28 us; per
 512+512-token trace 46 + 10 us against 90 + 50 us (benchmarks/sink_throughput.py stages, one
 short run, load average 2.5). Arrow's own JSON reader would be faster still, but on untrusted
 bytes it is unusable: pyarrow 25 segfaults on a `null` line and reads `{..}{..}` on one line as
 two rows.
 
-This module is not the schema (`storage.schema`) or the layout rules (`storage.layout`); one sink
+This module is not the schema (`specloop.storage.schema`) or the layout rules (`specloop.storage.layout`); one sink
 process per partition at a time is assumed (the consumer group provides it).
 """
 
@@ -51,8 +51,8 @@ from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from pydantic import BaseModel, ConfigDict, Field
 
-from storage.layout import hive_dir, remove_durably, sink_file_name, sink_files, write_parquet_atomic
-from storage.schema import TraceRejected, TraceRow, decode_row, rows_to_arrow
+from specloop.storage.layout import hive_dir, remove_durably, sink_file_name, sink_files, write_parquet_atomic
+from specloop.storage.schema import TraceRejected, TraceRow, decode_row, rows_to_arrow
 
 log = logging.getLogger(__name__)
 

@@ -10,12 +10,21 @@ Tests run torch on one thread: with two OpenMP threads a tiny model's matmuls sl
 3.8 s for the same test) whenever another process loaded the 2 cores, because the threads spin at
 every barrier. Benchmarks, not tests, measure multi-threaded speed.
 
+Tests import specloop as installed (`specloop.*`), never from the checkout's root: pytest runs in
+`importlib` mode (pyproject.toml), which puts no folder on `sys.path`, so the checkout's `kernels/`
+cannot shadow Hugging Face's `kernels`, which transformers imports. pytest itself makes `tests`
+importable; `benchmarks` (scripts, not installed), whose helpers some tests use, is registered here
+by its path alone.
+
 `broker` is one tansu process with memory storage for the whole session (fast; a restart would
 lose everything, so tests that restart use `durable_broker`). `durable_broker` is a fresh tansu on
 S3 storage against a moto server on loopback, per test, which keeps topics, records and committed
 offsets across `restart()`. Both are real processes and are always stopped.
 """
 
+import importlib.machinery
+import importlib.util
+import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,11 +32,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.cpu_decode import cpu_plan, load, this_cpu
-from kernels.cpu_features import FORCE_VARIABLE, Isa, runnable
-from storage.broker import EmbeddedBroker, LocalS3
+from specloop.kernels.cpu_decode import cpu_plan, load, this_cpu
+from specloop.kernels.cpu_features import FORCE_VARIABLE, Isa, runnable
+from specloop.storage.broker import EmbeddedBroker, LocalS3
 
 pytest_plugins = ["tests.model_fixtures"]
+
+
+def _register_benchmarks() -> None:
+    """`benchmarks` as a namespace package over the checkout's benchmarks/ folder, and nothing else."""
+    spec = importlib.machinery.ModuleSpec("benchmarks", None, is_package=True)
+    spec.submodule_search_locations = [str(Path(__file__).resolve().parents[1] / "benchmarks")]
+    sys.modules.setdefault("benchmarks", importlib.util.module_from_spec(spec))
+
+
+_register_benchmarks()
 
 torch.set_num_threads(1)
 KERNEL_ISAS = runnable(this_cpu(), ceiling=cpu_plan().isa)

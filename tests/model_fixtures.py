@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from benchmarks.tiny_model import write_tiny_hf_model
-from engine.loaders.load import LoadedModel, default_model_path, load_model
+from specloop.engine.loaders.load import LoadedModel, default_model_path, load_model
 
 
 @pytest.fixture(scope="session")

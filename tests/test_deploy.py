@@ -5,7 +5,7 @@ the systemd units parse.
 
 Nothing here starts a container, a unit or a cluster (the processes themselves are tested in
 tests/integration). Where `systemd-analyze`, `docker compose` or `kubectl` is installed, the files
-also go through it; otherwise those tests skip. deploy/policies/ has tests of its own.
+also go through it; otherwise those tests skip. The retrain policies (daemon/policies/) have tests of their own.
 """
 
 import configparser
@@ -15,6 +15,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,11 +25,11 @@ import pytest
 import typer
 import yaml
 
-from consent.settings import ConsentSettings, check_secret
-from daemon.cli import app
-from daemon.retrain.settings import DaemonSettings
-from daemon.stack import TRACE_PARTITIONS
-from engine.server.settings import ServerSettings
+from specloop.consent.settings import ConsentSettings, check_secret
+from specloop.daemon.cli import app
+from specloop.daemon.retrain.settings import DaemonSettings
+from specloop.daemon.stack import TRACE_PARTITIONS
+from specloop.engine.server.settings import ServerSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -50,7 +51,7 @@ CONSENT_LABEL = "specloop/consent-db"
 
 
 def deploy_files() -> list[Path]:
-    return sorted(p for p in DEPLOY.rglob("*") if p.is_file() and "policies" not in p.relative_to(DEPLOY).parts)
+    return sorted(p for p in DEPLOY.rglob("*") if p.is_file())
 
 
 def yaml_files() -> list[Path]:
@@ -527,9 +528,9 @@ def test_image_installs_every_package_and_the_pinned_torch() -> None:
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
     pyproject = (ROOT / "pyproject.toml").read_text()
-    packages = re.findall(r'"(\w+)\*"', re.search(r"\[tool\.setuptools\.packages\.find\]\n(.*)", pyproject)[1])
-    assert packages
-    for package in packages:
+    folders = tomllib.loads(pyproject)["tool"]["setuptools"]["package-dir"].values()
+    assert folders
+    for package in folders:
         assert f"COPY {package} {package}" in dockerfile and f"!{package}" in ignore, package
     torch_pin = re.search(r'"(torch==[\d.]+)"', pyproject)[1]
     assert f"pip install --no-cache-dir {torch_pin} --index-url https://download.pytorch.org/whl/cpu" in dockerfile

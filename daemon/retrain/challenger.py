@@ -2,7 +2,7 @@
 chunks of steps so that a stop request (SIGTERM) or a lost lease ends it between two steps.
 
 With the policy's `training.processes` > 1 the trainer runs data-parallel instead, as
-`torchrun ... -m daemon.cli train-drafter` in a child process that loads its own copies of the
+`torchrun ... -m specloop.daemon.cli train-drafter` in a child process that loads its own copies of the
 target; a stop request or a lost lease ends it with SIGTERM, then SIGKILL.
 
 The policy's training section becomes a `TrainConfig`. The output vocabulary is trimmed to the
@@ -17,6 +17,7 @@ Not here: the trainer (`daemon/training/`), choosing or evaluating (`contest.py`
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -25,14 +26,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from daemon.retrain.policy import Training
-from daemon.training.cli import train_drafter_args
-from daemon.training.config import TrainConfig
-from daemon.training.sequences import TokenSequence, write_jsonl
-from daemon.training.trainer import Trainer, TrainResult
-from engine.loaders.weight_format import DENSE, WeightFormat
-from engine.model.transformer import Transformer
-from storage.child_process import die_with_parent
+from specloop.daemon.child_command import SAFE_PATH_ENV
+from specloop.daemon.retrain.policy import Training
+from specloop.daemon.training.config import TrainConfig
+from specloop.storage.sequences import TokenSequence, write_jsonl
+from specloop.daemon.training.trainer import Trainer, TrainResult
+from specloop.engine.loaders.weight_format import DENSE, WeightFormat
+from specloop.engine.model.transformer import Transformer
+from specloop.storage.child_process import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def training_dtype(choice: str) -> str:
 
     if torch.cuda.is_available():
         return "bfloat16"
-    from kernels.cpu_features import CpuFeatures, forced_isa, plan
+    from specloop.kernels.cpu_features import CpuFeatures, forced_isa, plan
 
     cpu = plan(CpuFeatures.detect(), forced_isa(), torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return "bfloat16" if cpu.onednn_bf16 else "float32"
@@ -126,16 +127,18 @@ def _train_under_torchrun(cfg: TrainConfig, target: Transformer, model_source: P
     out = Path(cfg.out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix="torchrun-") as scratch:
-        data, printed = Path(scratch) / "train.jsonl", Path(scratch) / "result.json"
+        data, config, printed = (Path(scratch) / name for name in ("train.jsonl", "config.json", "result.json"))
         write_jsonl(data, sequences)
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
-                   "-m", "daemon.cli", "train-drafter", "--data", str(data), "--model", str(model_source),
-                   "--dtype", str(target.dtype).removeprefix("torch."), "--device", target.device.type,
-                   *target_options, *train_drafter_args(cfg)]
+        cfg.write(config)
+        command = [sys.executable, "-P", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                   str(processes), "-m", "specloop.daemon.cli", "train-drafter", "--config", str(config), "--data",
+                   str(data), "--model", str(model_source), "--dtype", str(target.dtype).removeprefix("torch."),
+                   "--device", target.device.type, *target_options]
         # stdout to a file, not a pipe: the result's JSON (its history grows with the run) could fill a
         # pipe that is read only at the end. stderr, the processes' logs, goes to the daemon's.
         with printed.open("wb") as stdout:
-            child = subprocess.Popen(command, stdout=stdout, start_new_session=True, preexec_fn=die_with_parent())
+            child = subprocess.Popen(command, stdout=stdout, start_new_session=True, preexec_fn=die_with_parent(),
+                                     env={**os.environ, **SAFE_PATH_ENV})
             log.info("training: %d processes under torchrun (pid %d)", processes, child.pid)
             try:
                 _wait(child, should_stop, stop)

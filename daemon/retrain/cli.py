@@ -29,7 +29,7 @@ def register(app: typer.Typer) -> None:
 @policy_app.command("validate")
 def validate(files: Annotated[list[Path], typer.Argument(help="Policy YAML files")]) -> None:
     """Check retrain policy files; each error names the field and its line."""
-    from daemon.retrain.policy import PolicyError, load_policy
+    from specloop.daemon.retrain.policy import PolicyError, load_policy
 
     failed = False
     for file in files:
@@ -82,10 +82,10 @@ def run_daemon(settings: Any, policy: Any) -> None:
     import torch
     import uvicorn
 
-    from daemon.retrain.challenger import training_dtype
-    from daemon.retrain.http import daemon_app
-    from daemon.retrain.service import RetrainDaemon
-    from engine.loaders.load import load_for_inference, resolve_device
+    from specloop.daemon.retrain.challenger import training_dtype
+    from specloop.daemon.retrain.http import daemon_app
+    from specloop.daemon.retrain.service import RetrainDaemon
+    from specloop.engine.loaders.load import load_for_inference, resolve_device
 
     target = load_for_inference(settings.model, getattr(torch, training_dtype(policy.training.dtype)),
                                 resolve_device(None), settings.weight_format())
@@ -96,8 +96,8 @@ def run_daemon(settings: Any, policy: Any) -> None:
 def _daemon_settings(options: dict[str, Any]) -> tuple[Any, Any]:
     from pydantic import ValidationError
 
-    from daemon.retrain.policy import PolicyError, load_policy
-    from daemon.retrain.settings import DaemonSettings
+    from specloop.daemon.retrain.policy import PolicyError, load_policy
+    from specloop.daemon.retrain.settings import DaemonSettings
 
     try:
         settings = DaemonSettings(**{k: v for k, v in options.items() if v not in (None, [])})
@@ -120,9 +120,9 @@ def status_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
 ) -> None:
     """Champion per base model, last runs, next run and pending approvals."""
-    from daemon.retrain.state_db import open_state
-    from daemon.retrain.status import base_models, status
-    from storage.registry import DrafterRegistry
+    from specloop.daemon.retrain.state_db import open_state
+    from specloop.daemon.retrain.status import base_models, status
+    from specloop.storage.registry import DrafterRegistry
 
     db = open_state(state_db)
     drafters = None if registry is None else DrafterRegistry(registry)
@@ -162,10 +162,10 @@ def approve(
     reason: Annotated[str, typer.Option(help="Recorded in the promotion history")] = "",
 ) -> None:
     """Approve (or reject) a challenger that waits for a person; the daemon promotes it at its next watch."""
-    from daemon.retrain.history import Action, PromotionHistory
-    from daemon.retrain.state_db import open_state
-    from daemon.retrain.status import base_models
-    from storage.registry import CHALLENGER, Approval, DrafterRegistry, Tag
+    from specloop.daemon.retrain.history import Action, PromotionHistory
+    from specloop.daemon.retrain.state_db import open_state
+    from specloop.daemon.retrain.status import base_models
+    from specloop.storage.registry import CHALLENGER, Approval, DrafterRegistry, Tag
 
     number = version.removeprefix("v")
     if not number.isdigit():

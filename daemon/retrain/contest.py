@@ -13,12 +13,12 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from daemon.evaluation.replay import ReplayStats, replay
-from daemon.training.sequences import TokenSequence, digest
-from engine.model.transformer import Transformer
-from engine.speculation.build import build_proposer
-from engine.speculation.drafter_artifact import load_drafter
-from engine.speculation.proposer import Proposer
+from specloop.daemon.evaluation.replay import ReplayStats, replay
+from specloop.storage.sequences import TokenSequence, digest
+from specloop.engine.model.transformer import Transformer
+from specloop.engine.speculation.build import build_proposer
+from specloop.engine.speculation.drafter_artifact import load_drafter
+from specloop.engine.speculation.proposer import Proposer
 
 log = logging.getLogger(__name__)
 

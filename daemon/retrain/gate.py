@@ -16,10 +16,10 @@ Not here: measuring τ (`daemon/evaluation/replay.py`), acting on the decision (
 from dataclasses import dataclass
 from enum import StrEnum
 
-from daemon.retrain.policy import Gate
+from specloop.daemon.retrain.policy import Gate
 
 
-class Verdict(StrEnum):
+class GateVerdict(StrEnum):
     PROMOTE = "promote"
     AWAIT_APPROVAL = "await_approval"
     REFUSE = "refuse"
@@ -27,12 +27,12 @@ class Verdict(StrEnum):
 
 @dataclass(frozen=True)
 class GateDecision:
-    verdict: Verdict
+    verdict: GateVerdict
     reason: str
 
     @property
     def passed(self) -> bool:
-        return self.verdict is not Verdict.REFUSE
+        return self.verdict is not GateVerdict.REFUSE
 
 
 def decide(gate: Gate, *, served_base_model: str, challenger_base_model: str, tau_challenger: float,
@@ -40,13 +40,13 @@ def decide(gate: Gate, *, served_base_model: str, challenger_base_model: str, ta
     """The verdict and a one-line reason naming the numbers it rests on."""
     assert tau_challenger >= 1 and tau_champion >= 1, (tau_challenger, tau_champion)
     if challenger_base_model != served_base_model:
-        return GateDecision(Verdict.REFUSE, f"base model mismatch: the challenger was trained for "
+        return GateDecision(GateVerdict.REFUSE, f"base model mismatch: the challenger was trained for "
                                             f"{challenger_base_model}, the served model is {served_base_model}")
     gain = tau_challenger / tau_champion - 1
     numbers = (f"τ {tau_challenger:.3f} vs {champion_label} {tau_champion:.3f} ({gain:+.1%}) on "
                f"{eval_sequences} held-out traces")
     if gain < gate.min_relative_gain:
-        return GateDecision(Verdict.REFUSE, f"{numbers}: below the {gate.min_relative_gain:.1%} required gain")
+        return GateDecision(GateVerdict.REFUSE, f"{numbers}: below the {gate.min_relative_gain:.1%} required gain")
     if gate.require_approval:
-        return GateDecision(Verdict.AWAIT_APPROVAL, f"{numbers}: passed; the policy requires approval")
-    return GateDecision(Verdict.PROMOTE, f"{numbers}: passed")
+        return GateDecision(GateVerdict.AWAIT_APPROVAL, f"{numbers}: passed; the policy requires approval")
+    return GateDecision(GateVerdict.PROMOTE, f"{numbers}: passed")

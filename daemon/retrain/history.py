@@ -14,7 +14,7 @@ from enum import StrEnum
 
 from sqlalchemy import Column, DateTime, Engine, Integer, MetaData, String, Table, insert
 
-from daemon.retrain.state_db import create_tables, newest
+from specloop.daemon.retrain.state_db import create_tables, newest
 
 _metadata = MetaData()
 _events = Table(

@@ -13,9 +13,9 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from daemon.retrain.service import RetrainDaemon
-from daemon.retrain.status import status
-from storage.registry import RegistryUnavailable
+from specloop.daemon.retrain.service import RetrainDaemon
+from specloop.daemon.retrain.status import status
+from specloop.storage.registry import RegistryUnavailable
 
 
 def daemon_app(daemon: RetrainDaemon) -> FastAPI:

@@ -24,7 +24,7 @@ from typing import Self
 from sqlalchemy import Column, Engine, Float, MetaData, String, Table, and_, delete, insert, or_, update
 from sqlalchemy.exc import IntegrityError
 
-from daemon.retrain.state_db import create_tables
+from specloop.daemon.retrain.state_db import create_tables
 
 log = logging.getLogger(__name__)
 

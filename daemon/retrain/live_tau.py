@@ -40,7 +40,7 @@ from sqlalchemy import (
     select,
 )
 
-from daemon.retrain.state_db import create_tables
+from specloop.daemon.retrain.state_db import create_tables
 
 # Sample names as engine/server/metrics.py exports them (prometheus-client adds `_total`).
 _DRAFTS = "specloop_spec_decode_num_drafts_total"

@@ -6,9 +6,9 @@ Input should be greater than or equal to 0"). Sections, each with defaults a fir
 keep: `schedule` (cron or interval), `triggers` (what makes a scheduled tick train), `data`
 (window and limits of the dataset), `training` (budget and warm start), `evaluation` (the held-out
 set), `gate` (what a challenger must beat), `rollout` (watching live τ after a promotion) and
-`cooldown_minutes`. The commented examples in `deploy/policies/` say what each field means.
+`cooldown_minutes`. The commented examples in `daemon/policies/` say what each field means.
 
-Not here: acting on a policy (`daemon/retrain/run.py`, `scheduler.py`, `rollback.py`), or where
+Not here: acting on a policy (`daemon/retrain/run.py`, `service.py`, `rollback.py`), or where
 things are stored (`daemon/retrain/settings.py`: registry URI, trace root, state database).
 """
 

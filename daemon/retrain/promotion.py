@@ -13,8 +13,8 @@ Not here: whether to promote or roll back (`gate.py`, `rollback.py`).
 
 import logging
 
-from daemon.retrain.history import Action, Event, PromotionHistory
-from storage.registry import CHALLENGER, CHAMPION, Approval, DrafterRegistry, DrafterVersion, Tag
+from specloop.daemon.retrain.history import Action, Event, PromotionHistory
+from specloop.storage.registry import CHALLENGER, CHAMPION, Approval, DrafterRegistry, DrafterVersion, Tag
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Protocol
 
-from daemon.retrain.live_tau import LiveTau, TauWindow
+from specloop.daemon.retrain.live_tau import LiveTau, TauWindow
 
 
 class RolloutSettings(Protocol):
@@ -49,7 +49,7 @@ class Promotion:
             raise ValueError(f"promotion of {self.version} replaces itself")
 
 
-class Verdict(StrEnum):
+class RolloutVerdict(StrEnum):
     WATCH = "watch"  # not decided yet; the only verdict that is not final
     PASSED = "passed"  # window over, τ held against the baseline
     ROLL_BACK = "roll_back"  # move the alias back to `Promotion.previous`
@@ -57,18 +57,18 @@ class Verdict(StrEnum):
 
 
 @dataclass(frozen=True)
-class RolloutVerdict:
-    verdict: Verdict
+class RolloutDecision:
+    verdict: RolloutVerdict
     reason: str  # for the log and the promotion history; names τ and step counts where known
     new: TauWindow | None
     baseline: TauWindow | None
 
     @property
     def final(self) -> bool:
-        return self.verdict is not Verdict.WATCH
+        return self.verdict is not RolloutVerdict.WATCH
 
 
-def judge_rollout(promotion: Promotion, rollout: RolloutSettings, live: LiveTau, now: datetime) -> RolloutVerdict:
+def judge_rollout(promotion: Promotion, rollout: RolloutSettings, live: LiveTau, now: datetime) -> RolloutDecision:
     """The verdict on `promotion` at `now`, from the samples `live` holds up to `now`."""
     if now < promotion.promoted_at:
         raise ValueError(f"now {now} is before the promotion at {promotion.promoted_at}")
@@ -77,29 +77,29 @@ def judge_rollout(promotion: Promotion, rollout: RolloutSettings, live: LiveTau,
     new = live.tau(promotion.version, promotion.promoted_at, now)
     window_over = now >= promotion.promoted_at + watch
     verdict, reason = _decide(promotion, rollout, before, new, window_over)
-    return RolloutVerdict(verdict, reason, new, _usable(before, rollout))
+    return RolloutDecision(verdict, reason, new, _usable(before, rollout))
 
 
 def _decide(p: Promotion, rollout: RolloutSettings, before: TauWindow | None, new: TauWindow | None,
-            window_over: bool) -> tuple[Verdict, str]:
+            window_over: bool) -> tuple[RolloutVerdict, str]:
     need = rollout.min_verify_steps
     steps = new.drafts if new else 0
     base = _base(p, rollout, before)
     if steps < need:
-        return Verdict.WATCH, f"{p.version} has {steps} of {need} verify steps; {base}"
+        return RolloutVerdict.WATCH, f"{p.version} has {steps} of {need} verify steps; {base}"
     assert new is not None
     baseline = _usable(before, rollout)
     if baseline is None:
         if not window_over:
-            return Verdict.WATCH, f"{_new(p, new)}; {base}; passes when the window ends"
-        return Verdict.NO_BASELINE, f"passed without a comparison: {_new(p, new)}; {base}"
+            return RolloutVerdict.WATCH, f"{_new(p, new)}; {base}; passes when the window ends"
+        return RolloutVerdict.NO_BASELINE, f"passed without a comparison: {_new(p, new)}; {base}"
     floor = rollout.rollback_below * baseline.tau
     compared = f"{_new(p, new)} vs {base} (floor {rollout.rollback_below:g} x that = {floor:.3f})"
     if new.tau < floor:
-        return Verdict.ROLL_BACK, f"roll back: {compared}"
+        return RolloutVerdict.ROLL_BACK, f"roll back: {compared}"
     if not window_over:
-        return Verdict.WATCH, f"holding so far: {compared}"
-    return Verdict.PASSED, f"passed: {compared}"
+        return RolloutVerdict.WATCH, f"holding so far: {compared}"
+    return RolloutVerdict.PASSED, f"passed: {compared}"
 
 
 def _usable(before: TauWindow | None, rollout: RolloutSettings) -> TauWindow | None:

@@ -13,7 +13,7 @@ with all its tags in one call, and the alias moves after. A run stopped before `
 the daemon starts again. MLflow or a trace file failing makes the run `failed`; the schedule
 tries again at the next tick.
 
-Not here: when to run (`triggers.py`, `scheduler.py`), the decisions (`gate.py`), the alias moves
+Not here: when to run (`triggers.py`, `service.py`), the decisions (`gate.py`), the alias moves
 (`promotion.py`), the trainer and the replay (`daemon/training/`, `daemon/evaluation/`).
 """
 
@@ -34,21 +34,21 @@ import pyarrow.parquet as pq
 from mlflow.entities import DatasetInput, InputTag
 from mlflow.exceptions import MlflowException
 
-from consent.registry import ConsentRegistry
-from daemon.retrain import gate as gates
-from daemon.retrain import promotion
-from daemon.retrain.bootstrap import bootstrap
-from daemon.retrain.challenger import RunStopped, train_challenger, train_config
-from daemon.retrain.contest import CHALLENGER, Contest, run_contest
-from daemon.retrain.history import Action, PromotionHistory
-from daemon.retrain.policy import RetrainPolicy
-from daemon.retrain.run_log import Outcome, RunLog
-from daemon.retrain.settings import DaemonSettings
-from daemon.training.sequences import TokenSequence, digest
-from engine.loaders.load import LoadedModel
-from engine.speculation.drafter_artifact import read_meta
-from storage.dataset import DatasetManifest, build_dataset
-from storage.registry import Approval, DrafterRegistry, DrafterVersion, RegistryUnavailable, Tag, tau_tags
+from specloop.consent.registry import ConsentRegistry
+from specloop.daemon.retrain import gate as gates
+from specloop.daemon.retrain import promotion
+from specloop.daemon.retrain.bootstrap import bootstrap
+from specloop.daemon.retrain.challenger import RunStopped, train_challenger, train_config
+from specloop.daemon.retrain.contest import CHALLENGER, Contest, run_contest
+from specloop.daemon.retrain.history import Action, PromotionHistory
+from specloop.daemon.retrain.policy import RetrainPolicy
+from specloop.daemon.retrain.run_log import RunOutcome, RunLog
+from specloop.daemon.retrain.settings import DaemonSettings
+from specloop.storage.sequences import TokenSequence, digest
+from specloop.engine.loaders.load import LoadedModel
+from specloop.engine.speculation.drafter_artifact import read_meta
+from specloop.storage.dataset import DatasetManifest, build_dataset
+from specloop.storage.registry import Approval, DrafterRegistry, DrafterVersion, RegistryUnavailable, Tag, tau_tags
 
 log = logging.getLogger(__name__)
 
@@ -94,29 +94,29 @@ class RetrainRun:
         self.timings: dict[str, float] = {}
         self.started = datetime.now(UTC)
 
-    def execute(self) -> Outcome:
+    def execute(self) -> RunOutcome:
         loop = self.loop
         loop.runs.start(self.run_id, loop.base_model, self.started)
         log.info("run %s for %s: starting", self.run_id, loop.base_model)
         try:
             outcome, detail = self._steps()
         except RunStopped as e:
-            outcome, detail = Outcome.ABANDONED, str(e)
+            outcome, detail = RunOutcome.ABANDONED, str(e)
         except (RegistryUnavailable, MlflowException) as e:
-            outcome, detail = Outcome.FAILED, f"MLflow: {e}"
+            outcome, detail = RunOutcome.FAILED, f"MLflow: {e}"
         except Exception as e:  # a bad trace file, a broken champion: this run fails, the daemon keeps going
             log.exception("run %s failed", self.run_id)
-            outcome, detail = Outcome.FAILED, f"{type(e).__name__}: {e}"
+            outcome, detail = RunOutcome.FAILED, f"{type(e).__name__}: {e}"
         loop.runs.finish(self.run_id, outcome, detail, self.timings)
         log.info("run %s: %s (%s) in %.0f s", self.run_id, outcome, detail, sum(self.timings.values()))
         return outcome
 
-    def _steps(self) -> tuple[Outcome, str]:
+    def _steps(self) -> tuple[RunOutcome, str]:
         loop = self.loop
         with self._step("dataset"):
             prepared = self._dataset()
         if isinstance(prepared, str):
-            return Outcome.SKIPPED, prepared
+            return RunOutcome.SKIPPED, prepared
         with self._step("champion"):
             champion = loop.registry.champion(loop.base_model)
             champion_dir = None if champion is None else loop.registry.download(
@@ -208,7 +208,7 @@ class RetrainRun:
             tags = {**tau_tags(contest.tau(CHALLENGER), contest.tau_baseline), Tag.EVAL_SET: contest.eval_set,
                     Tag.DATASET: prepared.dataset_digest, Tag.GATE: decision.verdict.value,
                     Tag.GATE_REASON: decision.reason, Tag.RUN: self.run_id}
-            if decision.verdict is gates.Verdict.AWAIT_APPROVAL:
+            if decision.verdict is gates.GateVerdict.AWAIT_APPROVAL:
                 tags[Tag.APPROVAL] = Approval.PENDING.value
             if prepared.bootstrap_from is not None:
                 tags[Tag.BOOTSTRAP_FROM] = prepared.bootstrap_from
@@ -238,18 +238,18 @@ class RetrainRun:
 
 
 def act_on_gate(registry: DrafterRegistry, history: PromotionHistory, version: DrafterVersion,
-                decision: gates.GateDecision, run_id: str) -> tuple[Outcome, str]:
+                decision: gates.GateDecision, run_id: str) -> tuple[RunOutcome, str]:
     """Move the aliases as the gate decided and record it; the run's outcome."""
-    if decision.verdict is gates.Verdict.PROMOTE:
+    if decision.verdict is gates.GateVerdict.PROMOTE:
         promotion.promote(registry, history, version, decision.reason, run_id=run_id)
-        return Outcome.PROMOTED, f"{version.label} promoted: {decision.reason}"
-    if decision.verdict is gates.Verdict.AWAIT_APPROVAL:
+        return RunOutcome.PROMOTED, f"{version.label} promoted: {decision.reason}"
+    if decision.verdict is gates.GateVerdict.AWAIT_APPROVAL:
         promotion.await_approval(registry, history, version, decision.reason, run_id=run_id)
-        return Outcome.AWAITING_APPROVAL, f"{version.label} awaits approval: {decision.reason}"
+        return RunOutcome.AWAITING_APPROVAL, f"{version.label} awaits approval: {decision.reason}"
     champion = registry.champion(version.base_model)
     history.record(version.base_model, Action.REFUSED, version.label, decision.reason,
                    previous=None if champion is None else champion.label, run_id=run_id)
-    return Outcome.REFUSED, f"{version.label} refused: {decision.reason}"
+    return RunOutcome.REFUSED, f"{version.label} refused: {decision.reason}"
 
 
 def resume_promotion(loop: Loop) -> list[str]:
@@ -257,14 +257,14 @@ def resume_promotion(loop: Loop) -> list[str]:
     alias move and its history row may not. Other unfinished runs are marked abandoned."""
     resumed = []
     for run in loop.runs.runs(loop.base_model):
-        if run.outcome is not Outcome.RUNNING:
+        if run.outcome is not RunOutcome.RUNNING:
             continue
         if run.version is not None:  # set once the version exists with its gate tag
             v = loop.registry.version(loop.base_model, run.version)
-            decision = gates.GateDecision(gates.Verdict(v.tags[Tag.GATE]), v.tags.get(Tag.GATE_REASON, ""))
+            decision = gates.GateDecision(gates.GateVerdict(v.tags[Tag.GATE]), v.tags.get(Tag.GATE_REASON, ""))
             done = loop.history.last(loop.base_model)
             if done is not None and done.version == v.label and done.run_id == run.run_id:
-                outcome, detail = Outcome(_OUTCOME_OF[done.action]), f"{v.label}: {done.reason}"
+                outcome, detail = RunOutcome(_OUTCOME_OF[done.action]), f"{v.label}: {done.reason}"
             else:
                 outcome, detail = act_on_gate(loop.registry, loop.history, v, decision, run.run_id)
             loop.runs.finish(run.run_id, outcome, f"resumed after a restart: {detail}", run.timings)
@@ -275,9 +275,9 @@ def resume_promotion(loop: Loop) -> list[str]:
     return resumed
 
 
-_OUTCOME_OF = {Action.PROMOTED: Outcome.PROMOTED, Action.AWAITING_APPROVAL:
-               Outcome.AWAITING_APPROVAL, Action.REFUSED: Outcome.REFUSED,
-               Action.REJECTED: Outcome.REFUSED}
+_OUTCOME_OF = {Action.PROMOTED: RunOutcome.PROMOTED, Action.AWAITING_APPROVAL:
+               RunOutcome.AWAITING_APPROVAL, Action.REFUSED: RunOutcome.REFUSED,
+               Action.REJECTED: RunOutcome.REFUSED}
 
 
 def _sequences(path: Path) -> list[TokenSequence]:

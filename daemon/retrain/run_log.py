@@ -1,7 +1,7 @@
 """The run log: one row per retraining run, updated as it passes each step, so that `specloop
 status` shows the last runs and a restarted daemon knows what a killed one left behind.
 
-A run is `started`, then at each step `step` names where it is; it ends as one `Outcome`. A row
+A run is `started`, then at each step `step` names where it is; it ends as one `RunOutcome`. A row
 still `running` when a daemon starts belongs to a daemon that died (the lease says none is alive):
 `abandon_unfinished` ends it as `abandoned`. `since` of the last run that trained is where the
 trigger counts new traces from.
@@ -16,7 +16,7 @@ from enum import StrEnum
 
 from sqlalchemy import Column, DateTime, Engine, MetaData, String, Table, Text, insert, update
 
-from daemon.retrain.state_db import create_tables, newest
+from specloop.daemon.retrain.state_db import create_tables, newest
 
 _metadata = MetaData()
 _runs = Table(
@@ -34,7 +34,7 @@ _runs = Table(
 )
 
 
-class Outcome(StrEnum):
+class RunOutcome(StrEnum):
     RUNNING = "running"
     PROMOTED = "promoted"
     AWAITING_APPROVAL = "awaiting_approval"
@@ -52,7 +52,7 @@ class RunRecord:
     finished_at: datetime | None
     data_until: datetime | None
     step: str
-    outcome: Outcome
+    outcome: RunOutcome
     detail: str
     version: str | None
     timings: dict[str, float]
@@ -66,7 +66,7 @@ class RunLog:
     def start(self, run_id: str, base_model: str, data_until: datetime) -> None:
         with self.db.begin() as conn:
             conn.execute(insert(_runs).values(run_id=run_id, base_model=base_model, started_at=datetime.now(UTC),
-                                              data_until=data_until, step="start", outcome=Outcome.RUNNING.value,
+                                              data_until=data_until, step="start", outcome=RunOutcome.RUNNING.value,
                                               detail="", timings="{}"))
 
     def step(self, run_id: str, step: str, timings: dict[str, float], version: str | None = None) -> None:
@@ -75,16 +75,16 @@ class RunLog:
             values["version"] = version
         self._update(run_id, **values)
 
-    def finish(self, run_id: str, outcome: Outcome, detail: str, timings: dict[str, float]) -> None:
-        assert outcome is not Outcome.RUNNING
+    def finish(self, run_id: str, outcome: RunOutcome, detail: str, timings: dict[str, float]) -> None:
+        assert outcome is not RunOutcome.RUNNING
         self._update(run_id, outcome=outcome.value, detail=detail, timings=json.dumps(timings),
                      finished_at=datetime.now(UTC))
 
     def abandon_unfinished(self, base_model: str, why: str) -> list[RunRecord]:
         """End every run still `running` as abandoned; the runs that were."""
-        found = [r for r in self.runs(base_model) if r.outcome is Outcome.RUNNING]
+        found = [r for r in self.runs(base_model) if r.outcome is RunOutcome.RUNNING]
         for r in found:
-            self.finish(r.run_id, Outcome.ABANDONED, f"{why} (it was at step {r.step})", r.timings)
+            self.finish(r.run_id, RunOutcome.ABANDONED, f"{why} (it was at step {r.step})", r.timings)
         return found
 
     def runs(self, base_model: str | None = None, limit: int | None = None) -> list[RunRecord]:
@@ -93,7 +93,7 @@ class RunLog:
 
     def last_trained(self, base_model: str) -> RunRecord | None:
         """The newest run that trained a challenger, whatever the gate said."""
-        trained = (Outcome.PROMOTED, Outcome.AWAITING_APPROVAL, Outcome.REFUSED)
+        trained = (RunOutcome.PROMOTED, RunOutcome.AWAITING_APPROVAL, RunOutcome.REFUSED)
         found = [r for r in self.runs(base_model) if r.outcome in trained]
         return found[-1] if found else None
 
@@ -108,4 +108,4 @@ def _utc(at: datetime | None) -> datetime | None:
 
 def _record(r) -> RunRecord:
     return RunRecord(r.run_id, r.base_model, _utc(r.started_at), _utc(r.finished_at), _utc(r.data_until), r.step,
-                     Outcome(r.outcome), r.detail, r.version, json.loads(r.timings))
+                     RunOutcome(r.outcome), r.detail, r.version, json.loads(r.timings))

@@ -32,22 +32,22 @@ from apscheduler.triggers.base import BaseTrigger
 from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
-from consent.registry import ConsentRegistry
-from daemon.retrain.history import Action, PromotionHistory
-from daemon.retrain.lease import Lease, LeaseHeld, daemon_identity
-from daemon.retrain.live_tau import LiveTau
-from daemon.retrain.metrics import DaemonMetrics
-from daemon.retrain.policy import RetrainPolicy, Schedule
-from daemon.retrain.run import Loop, RetrainRun, new_run_id, resume_promotion
-from daemon.retrain.run_log import Outcome, RunLog
-from daemon.retrain.settings import DaemonSettings
-from daemon.retrain.state_db import open_state
-from daemon.retrain.status import tick_job_id
-from daemon.retrain.triggers import Situation, TickDecision, decide_tick
-from daemon.retrain.watch import Watch
-from engine.loaders.load import LoadedModel
-from storage.dataset import count_consented
-from storage.registry import DrafterRegistry, RegistryUnavailable, Tag
+from specloop.consent.registry import ConsentRegistry
+from specloop.daemon.retrain.history import Action, PromotionHistory
+from specloop.daemon.retrain.lease import Lease, LeaseHeld, daemon_identity
+from specloop.daemon.retrain.live_tau import LiveTau
+from specloop.daemon.retrain.metrics import DaemonMetrics
+from specloop.daemon.retrain.policy import RetrainPolicy, Schedule
+from specloop.daemon.retrain.run import Loop, RetrainRun, new_run_id, resume_promotion
+from specloop.daemon.retrain.run_log import RunOutcome, RunLog
+from specloop.daemon.retrain.settings import DaemonSettings
+from specloop.daemon.retrain.state_db import open_state
+from specloop.daemon.retrain.status import tick_job_id
+from specloop.daemon.retrain.triggers import Situation, TickDecision, decide_tick
+from specloop.daemon.retrain.watch import Watch
+from specloop.engine.loaders.load import LoadedModel
+from specloop.storage.dataset import count_consented
+from specloop.storage.registry import DrafterRegistry, RegistryUnavailable, Tag
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class RetrainDaemon:
         self._count(run_id, outcome)
         return run_id
 
-    def _count(self, run_id: str, outcome: Outcome) -> None:
+    def _count(self, run_id: str, outcome: RunOutcome) -> None:
         """The finished run's outcome, step times and, when it reached the gate, its numbers."""
         self.metrics.runs.labels(outcome.value).inc()
         record = next((r for r in self.loop.runs.runs(self.base_model, limit=5) if r.run_id == run_id), None)

@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 from pydantic import AliasChoices, Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from engine.loaders.weight_format import WeightFormat, nvfp4_part
+from specloop.engine.loaders.weight_format import WeightFormat, nvfp4_part
 
 
 def _env(*names: str) -> AliasChoices:

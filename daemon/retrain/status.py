@@ -12,9 +12,9 @@ from typing import Any
 from sqlalchemy import Engine, MetaData, Table, select
 from sqlalchemy.exc import NoSuchTableError
 
-from daemon.retrain.history import PromotionHistory
-from daemon.retrain.run_log import RunLog
-from storage.registry import CHALLENGER, CHAMPION, Approval, DrafterRegistry, DrafterVersion
+from specloop.daemon.retrain.history import PromotionHistory
+from specloop.daemon.retrain.run_log import RunLog
+from specloop.storage.registry import CHALLENGER, CHAMPION, Approval, DrafterRegistry, DrafterVersion
 
 _JOBS_TABLE = "apscheduler_jobs"  # APScheduler's SQLAlchemyJobStore default
 

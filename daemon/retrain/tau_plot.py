@@ -20,7 +20,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from daemon.retrain.live_tau import TauPoint
+from specloop.daemon.retrain.live_tau import TauPoint
 
 _EVENT_STYLE = {  # action -> (colour, line style)
     "promoted": ("tab:green", "-"),

@@ -11,7 +11,7 @@ Not here: gathering the numbers (`run.py`), the dataset's own minimum size (chec
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from daemon.retrain.policy import RetrainPolicy
+from specloop.daemon.retrain.policy import RetrainPolicy
 
 
 @dataclass(frozen=True)

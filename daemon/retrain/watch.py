@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from daemon.retrain import promotion
-from daemon.retrain.history import Action, Event, PromotionHistory
-from daemon.retrain.live_tau import EngineUnreachable, LiveTau, scrape
-from daemon.retrain.policy import Rollout
-from daemon.retrain.rollback import Promotion, RolloutVerdict, Verdict, judge_rollout
-from daemon.retrain.tau_plot import plot_live_tau
-from storage.registry import DrafterRegistry
+from specloop.daemon.retrain import promotion
+from specloop.daemon.retrain.history import Action, Event, PromotionHistory
+from specloop.daemon.retrain.live_tau import EngineUnreachable, LiveTau, scrape
+from specloop.daemon.retrain.policy import Rollout
+from specloop.daemon.retrain.rollback import Promotion, RolloutDecision, RolloutVerdict, judge_rollout
+from specloop.daemon.retrain.tau_plot import plot_live_tau
+from specloop.storage.registry import DrafterRegistry
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class Watch:
     rollout: Rollout
     engines: list[str]
     plot: Path | None = None  # redrawn at most every _PLOT_EVERY_S
-    last_verdict: RolloutVerdict | None = None
+    last_verdict: RolloutDecision | None = None
     plotted_at: float = 0.0
     judged: Event | None = None  # the newest promotion whose verdict is final
     unreachable: set[str] = field(default_factory=set)
@@ -75,14 +75,14 @@ class Watch:
                 self.unreachable.discard(url)
         self.live.record(samples)
 
-    def judge(self, now: datetime) -> RolloutVerdict | None:
+    def judge(self, now: datetime) -> RolloutDecision | None:
         """The verdict on the newest promotion, while it is the newest alias move, has a champion to
         return to and has no final verdict yet (None otherwise)."""
         event = self.history.last(self.base_model, Action.PROMOTED, Action.ROLLED_BACK)
         if event is None or event.action is not Action.PROMOTED or event.previous is None or event == self.judged:
             return None
         verdict = judge_rollout(Promotion(event.version, event.previous, event.at), self.rollout, self.live, now)
-        if verdict.verdict is Verdict.ROLL_BACK:
+        if verdict.verdict is RolloutVerdict.ROLL_BACK:
             promotion.roll_back(self.registry, self.history, self.base_model, event.version.removeprefix("v"),
                                 event.previous.removeprefix("v"), verdict.reason)
         if verdict.final:

@@ -1,2 +1,2 @@
-"""Offline drafter work: prompt sets, bootstrap data generation, token sequences, target features,
-the trainer and their commands."""
+"""Offline drafter work: prompt sets, bootstrap data generation, target features, the trainer and
+their commands. The token sequences it reads are `storage/sequences.py`'s."""

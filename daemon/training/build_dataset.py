@@ -16,10 +16,10 @@ import typer
 
 
 def register(app: typer.Typer) -> None:
-    app.command("build-dataset")(build_dataset)
+    app.command("build-dataset")(build_dataset_command)
 
 
-def build_dataset(
+def build_dataset_command(
     root: Annotated[Path, typer.Option(help="Root directory of the trace Parquet files")],
     output: Annotated[Path, typer.Option(help="Directory for train/eval Parquet and manifest.json")],
     consent_db: Annotated[Path, typer.Option(help="The consent registry SQLite file")],
@@ -31,15 +31,15 @@ def build_dataset(
     purpose: str = "drafter_training",
 ) -> None:
     """Build a drafter-training dataset from consented traces of one base model."""
-    from consent.registry import ConsentRegistry
-    from storage.dataset import build_dataset as run_build
+    from specloop.consent.registry import ConsentRegistry
+    from specloop.storage.dataset import build_dataset
 
     registry = ConsentRegistry(consent_db)
     try:
         snapshot = registry.snapshot(purpose)
     finally:
         registry.close()
-    manifest = run_build(root, output, snapshot, base_model=base_model, since=_as_utc(since), until=_as_utc(until),
+    manifest = build_dataset(root, output, snapshot, base_model=base_model, since=_as_utc(since), until=_as_utc(until),
                          limit=limit, eval_fraction=eval_fraction)
     typer.echo(json.dumps(asdict(manifest), indent=2))
 

@@ -1,15 +1,15 @@
 """The drafter commands of `specloop`: `train-drafter` and `eval-drafter`.
 
-`register(app)` adds them to the one typer app (`daemon.cli`). Each command validates its options,
+`register(app)` adds them to the one typer app (`specloop.daemon.cli`). Each command validates its options,
 loads the target once, and calls one function: `Trainer.run` (daemon/training/trainer.py) or
 `compare` (daemon/evaluation/replay.py). Results are printed as JSON.
 
 `train-drafter` declares only its own options (data, output, target model, dtype, device, weights); the
 training options, with their defaults and help, are `TrainConfig`'s fields
-(daemon/training/config.py), turned into typer options here, and `train_drafter_args` turns a
-`TrainConfig` back into them (for a caller that launches the command).
+(daemon/training/config.py), turned into typer options here. A caller that launches the command
+(the daemon, under torchrun) hands it the whole `TrainConfig` as a file instead: `--config FILE`.
 
-Under `torchrun --nproc-per-node N -m daemon.cli train-drafter ...` the N processes train one drafter
+Under `torchrun --nproc-per-node N -m specloop.daemon.cli train-drafter ...` the N processes train one drafter
 together (daemon/training/distributed.py); only the main one prints the result.
 """
 
@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Annotated, Any, get_type_hints
 
 import typer
 
-from daemon.training.config import Option, TrainConfig
-from engine.loaders.weight_format import WeightFormat, WeightKind
+from specloop.daemon.training.config import Option, TrainConfig
+from specloop.engine.loaders.weight_format import WeightFormat, WeightKind
 
 if TYPE_CHECKING:  # the commands import torch only when they run
-    from engine.loaders.load import LoadedModel
+    from specloop.engine.loaders.load import LoadedModel
 
 _DATA = typer.Option(help="JSONL or Parquet file/directory with prompt_token_ids and response_token_ids")
 _MODEL = typer.Option(help="Target model: Hugging Face directory or .gguf file (default: SmolLM2-135M GGUF)")
@@ -61,7 +61,7 @@ def _target(model: str | None, dtype: str, device: str | None, weights: WeightFo
     """The frozen target, with CPU-inference linears (the drafter only borrows its weights)."""
     import torch
 
-    from engine.loaders.load import load_for_inference, resolve_device
+    from specloop.engine.loaders.load import load_for_inference, resolve_device
 
     if dtype not in _DTYPES:
         raise typer.BadParameter(f"--dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -98,37 +98,30 @@ def _with_config_options(command: Callable[..., None]) -> Callable[..., None]:
     return command
 
 
-def train_drafter_args(cfg: TrainConfig) -> list[str]:
-    """The `train-drafter` options that give `cfg` (`--out` and TrainConfig's options; the fields that are
-    no option must keep their defaults)."""
+def _train_config(out: Path | None, config: Path | None, options: dict[str, Any]) -> TrainConfig:
+    """The TrainConfig of a `train-drafter` invocation: the `--config` file's, or `--out` and the options
+    (ValueError naming the field when it is invalid, or when both are given)."""
     defaults = {f.name: f.default for f in fields(TrainConfig)}
-    options = dict(_config_options())
-    for name in defaults.keys() - options.keys() - {"out_dir"}:
-        if getattr(cfg, name) != defaults[name]:
-            raise ValueError(f"{name} is no train-drafter option; it must keep its default {defaults[name]}")
-    args = ["--out", cfg.out_dir]
-    for name, how in options.items():
-        value, flag = getattr(cfg, name), (how.flag or name).replace("_", "-")
-        if isinstance(value, bool):
-            args.append(f"--{flag}" if value else f"--no-{flag}")
-        elif value is not None:
-            args += [f"--{flag}", str(value if how.from_field is None else how.from_field(value))]
-    return args
-
-
-def _train_config(out: Path, options: dict[str, Any]) -> TrainConfig:
-    """The TrainConfig of a `train-drafter` invocation (ValueError naming the field when it is invalid)."""
     values = {}
     for name, how in _config_options():
         value = options[how.flag or name]
         values[name] = value if how.to_field is None or value is None else how.to_field(value)
-    return TrainConfig(out_dir=str(out), **values)
+    if config is None:
+        if out is None:
+            raise ValueError("--out is required (or --config)")
+        return TrainConfig(out_dir=str(out), **values)
+    given = sorted(name for name, value in values.items() if value != defaults[name])
+    if out is not None or given:
+        raise ValueError(f"--config holds the whole training config; leave out --out and {given or 'the options'}")
+    return TrainConfig.read(config)
 
 
 @_with_config_options
 def train_drafter(
     data: Annotated[list[Path], _DATA],
-    out: Annotated[Path, typer.Option(help="Artifact directory (also holds the resumable checkpoint)")],
+    out: Annotated[Path | None, typer.Option(help="Artifact directory (also holds the resumable checkpoint)")] = None,
+    config: Annotated[Path | None, typer.Option(
+        help="A training config as JSON (TrainConfig.write), in place of --out and the training options")] = None,
     model: Annotated[str | None, _MODEL] = None,
     dtype: str = "float32",
     device: Annotated[str | None, _DEVICE] = None,
@@ -138,12 +131,12 @@ def train_drafter(
     **options: Any,  # TrainConfig's options (`_with_config_options`)
 ) -> None:
     """Train a DFlash drafter on the target's own outputs and write the artifact to OUT."""
-    from daemon.training import distributed
-    from daemon.training.sequences import read_sequences
-    from daemon.training.trainer import Trainer
+    from specloop.daemon.training import distributed
+    from specloop.storage.sequences import read_sequences
+    from specloop.daemon.training.trainer import Trainer
 
     try:
-        cfg = _train_config(out, options)
+        cfg = _train_config(out, config, options)
         sequences = read_sequences(data)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
@@ -187,9 +180,9 @@ def eval_drafter(
 ) -> None:
     """Tau and per-position acceptance on stored target outputs: replayed, and with --generate also
     measured by real speculative generation."""
-    from daemon.evaluation.replay import compare
-    from daemon.training.sequences import read_sequences
-    from engine.speculation.drafter_artifact import read_meta
+    from specloop.daemon.evaluation.replay import compare
+    from specloop.storage.sequences import read_sequences
+    from specloop.engine.speculation.drafter_artifact import read_meta
 
     try:
         sequences = read_sequences(data)[:limit]

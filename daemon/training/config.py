@@ -5,12 +5,17 @@ are declared here and nowhere else (`daemon/training/cli.py` builds the command'
 them). The other fields (`out_dir`, which the command takes as `--out`, `weight_decay`,
 `grad_clip`) are for callers in code only.
 
+A `TrainConfig` also travels whole as a JSON file (`write`/`read`): the daemon hands one to the
+processes it starts under torchrun (`train-drafter --config FILE`), so the fields that are no option
+(`weight_decay`, `grad_clip`) reach them too and nothing is rendered into flags and parsed back.
+
 Not here: parsing the command line (`daemon/training/cli.py`), what the settings do (the modules
 of `daemon/training/` that read them).
 """
 
+import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +79,7 @@ class TrainConfig:
     distill: bool = option(False, "Also anchor in prompts; labels are the target's own greedy predictions")
     mixed_precision: bool = option(False, "bf16 autocast for the drafter (fp32 master weights)")
     # Target taps of training sequences kept in memory up to this size, and optionally in feature_dir
-    # for later runs (`daemon.training.feature_store`).
+    # for later runs (`specloop.daemon.training.feature_store`).
     feature_cache_gb: float = option(4.0, "Memory for cached target hidden states; 0 = off")
     feature_dir: str | None = option(
         None, "Also keep the target's hidden states here, so later runs on the same sequences skip the target",
@@ -102,3 +107,23 @@ class TrainConfig:
             raise ValueError(f"feature_dir_gb needs a feature_dir and must be > 0, got {self.feature_dir_gb}")
         if self.max_seconds is not None and self.max_seconds <= 0:
             raise ValueError(f"max_seconds must be > 0, got {self.max_seconds}")
+
+    def write(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def read(cls, path: Path) -> "TrainConfig":
+        """The config `write` wrote; ValueError naming the field for an unknown, missing or invalid one."""
+        try:
+            values = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not a training config ({e})") from e
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: a training config is a JSON object")
+        unknown = values.keys() - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"{path}: unknown training config fields {sorted(unknown)}")
+        try:
+            return cls(**values)
+        except TypeError as e:  # a required field left out
+            raise ValueError(f"{path}: {e}") from e

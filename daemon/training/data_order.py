@@ -6,15 +6,15 @@ length, and gives step n its batch. Both are functions of the seed, the epoch an
 so a resumed run repeats the same batches. A run in several processes (`distributed.py`) splits
 each step's batch between them: the batch size stays the run's, and so do its epochs.
 
-Not here: reading data (`daemon/training/sequences.py`), the target's features of a batch
+Not here: reading data (`storage/sequences.py`), the target's features of a batch
 (`target_features.py`), anchors inside a batch (`objective.py`).
 """
 
 import torch
 
-from daemon.training.config import TrainConfig
-from daemon.training.objective import Batch
-from daemon.training.sequences import TokenSequence, digest, split_heldout
+from specloop.daemon.training.config import TrainConfig
+from specloop.daemon.training.objective import Batch
+from specloop.storage.sequences import TokenSequence, digest, split_heldout
 
 
 def split_sequences(sequences: list[TokenSequence],

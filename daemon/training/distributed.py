@@ -1,6 +1,6 @@
 """The process group of a drafter training run launched by `torchrun`, and the few collectives the trainer needs.
 
-`torchrun --nproc-per-node N -m daemon.cli train-drafter ...` starts N copies of the command with
+`torchrun --nproc-per-node N -m specloop.daemon.cli train-drafter ...` starts N copies of the command with
 `WORLD_SIZE`, `RANK` and `LOCAL_RANK` set; `process_group` joins them (gloo on the CPU, NCCL on
 CUDA, one GPU per process: `cuda:LOCAL_RANK`). Without those variables it does nothing, and every
 function here answers as for one process and returns its input untouched: a run in one process is
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.loaders.load import resolve_device
+from specloop.engine.loaders.load import resolve_device
 
 _LAUNCH = ("WORLD_SIZE", "RANK", "LOCAL_RANK")  # set by torchrun for each process it starts
 

@@ -19,11 +19,11 @@ from dataclasses import asdict
 
 import torch
 
-from daemon.training.config import TrainConfig
-from daemon.training.sequences import TokenSequence
-from engine.model.transformer import Transformer
-from engine.speculation.dflash import DFlashConfig, DFlashDrafter
-from engine.speculation.drafter_artifact import load_drafter
+from specloop.daemon.training.config import TrainConfig
+from specloop.storage.sequences import TokenSequence
+from specloop.engine.model.transformer import Transformer
+from specloop.engine.speculation.dflash import DFlashConfig, DFlashDrafter
+from specloop.engine.speculation.drafter_artifact import load_drafter
 
 
 def build_drafter(cfg: TrainConfig, target: Transformer, train: list[TokenSequence]) -> DFlashDrafter:

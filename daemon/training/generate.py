@@ -22,9 +22,9 @@ from typing import Annotated
 
 import typer
 
-from daemon.training.cli import NVFP4_EMBEDDING_OPTION, NVFP4_LM_HEAD_OPTION, WEIGHTS_OPTION, weight_format
-from daemon.training.prompts import PromptSource
-from engine.loaders.weight_format import WeightKind
+from specloop.daemon.training.cli import NVFP4_EMBEDDING_OPTION, NVFP4_LM_HEAD_OPTION, WEIGHTS_OPTION, weight_format
+from specloop.daemon.training.prompts import PromptSource
+from specloop.engine.loaders.weight_format import WeightKind
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +59,11 @@ def generate(
 
     import torch
 
-    from daemon.training.prompts import prompt_set
-    from daemon.training.sequences import TokenSequence, append_jsonl, digest, read_sequences, split_heldout
-    from engine.loaders.load import load_for_inference, resolve_device
-    from engine.runtime.llm_engine import EngineConfig, LLMEngine
-    from engine.runtime.sequence import SamplingParams
+    from specloop.daemon.training.prompts import prompt_set
+    from specloop.storage.sequences import TokenSequence, append_jsonl, digest, read_sequences, split_heldout
+    from specloop.engine.loaders.load import load_for_inference, resolve_device
+    from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
+    from specloop.engine.runtime.sequence import SamplingParams
 
     if dtype not in ("float32", "bfloat16"):
         raise typer.BadParameter(f"--dtype must be float32 or bfloat16, got {dtype!r}")
@@ -123,6 +123,6 @@ def generate(
 
 def _answered(files: tuple[Path, ...]) -> set[tuple[int, ...]]:
     """Prompts already in the output files (a resumed run skips them)."""
-    from daemon.training.sequences import read_sequences
+    from specloop.storage.sequences import read_sequences
 
     return {s.prompt for s in read_sequences([f for f in files if f.exists()])}

@@ -3,7 +3,7 @@
 Objective (one step, per the DFlash paper): the frozen target's tapped hidden states over whole
 sequences come attached to the batch (`daemon/training/target_features.py`); sample random anchor
 positions inside each response; each anchor p starts a block `[token p, mask × (B−1)]` that sees
-the context features at positions `< p` and its own block (`engine.speculation.dflash.block_mask`,
+the context features at positions `< p` and its own block (`specloop.engine.speculation.dflash.block_mask`,
 attended as `SeparateBlocks`); block position k (1 ≤ k < B) is trained with cross-entropy to
 predict token p + k, weighted by exp(−(k−1)/γ): a draft only counts when every draft before it
 was accepted, so early positions matter most.
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from daemon.training.config import TrainConfig
-from daemon.training.sequences import TokenSequence
-from engine.model.transformer import Transformer
-from engine.speculation.dflash import DFlashDrafter, SeparateBlocks, context_mask
-from kernels.cpu_decode import cpu_plan
+from specloop.daemon.training.config import TrainConfig
+from specloop.storage.sequences import TokenSequence
+from specloop.engine.model.transformer import Transformer
+from specloop.engine.speculation.dflash import DFlashDrafter, SeparateBlocks, context_mask
+from specloop.kernels.cpu_decode import cpu_plan
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ import math
 
 import torch
 
-from daemon.training import distributed
-from daemon.training.config import TrainConfig
-from daemon.training.objective import Batch, BlockLoss, StepStats
-from engine.speculation.dflash import DFlashDrafter
+from specloop.daemon.training import distributed
+from specloop.daemon.training.config import TrainConfig
+from specloop.daemon.training.objective import Batch, BlockLoss, StepStats
+from specloop.engine.speculation.dflash import DFlashDrafter
 
 
 def lr_factor(step: int, total: int, warmup_ratio: float, time_fraction: float = 0.0) -> float:

@@ -14,11 +14,11 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from daemon.training.config import TrainConfig
-from daemon.training.feature_store import Features, FeatureStore
-from daemon.training.objective import Batch
-from daemon.training.sequences import TokenSequence
-from engine.model.transformer import Transformer
+from specloop.daemon.training.config import TrainConfig
+from specloop.daemon.training.feature_store import Features, FeatureStore
+from specloop.daemon.training.objective import Batch
+from specloop.storage.sequences import TokenSequence
+from specloop.engine.model.transformer import Transformer
 
 
 @torch.no_grad()

@@ -16,7 +16,7 @@ Each job has its own file in `daemon/training/`:
 | the target's taps, cached across steps and runs | `target_features.py` (over `feature_store.py`) |
 | the block loss | `objective.py` |
 | LR schedule, gradient step | `optimizer_step.py` |
-| held-out loss and τ, early stopping | `evaluation.py` |
+| held-out loss and τ, early stopping | `heldout.py` |
 | the resumable state, `checkpoint.pt` | `checkpoint.py` |
 | the process group under `torchrun`, its collectives | `distributed.py` |
 
@@ -25,7 +25,7 @@ main process (rank 0) alone evaluates, keeps the clock and decides when to stop,
 every process takes its word (`advance`), so all of them stop at the same step. Only the main
 process writes checkpoints and the artifact. In one process none of this does anything.
 
-Not here: reading data (`daemon/training/sequences.py`), the CLI (`daemon/training/cli.py`), the artifact
+Not here: reading data (`storage/sequences.py`), the CLI (`daemon/training/cli.py`), the artifact
 format (`engine/speculation/drafter_artifact.py`).
 """
 
@@ -36,18 +36,18 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from daemon.training import distributed
-from daemon.training.checkpoint import Checkpoint
-from daemon.training.config import TrainConfig
-from daemon.training.data_order import DataOrder, split_sequences
-from daemon.training.drafter_init import build_drafter
-from daemon.training.evaluation import Evaluation
-from daemon.training.objective import BlockLoss
-from daemon.training.optimizer_step import OptimizerStep
-from daemon.training.sequences import TokenSequence
-from daemon.training.target_features import TargetFeatures
-from engine.model.transformer import Transformer
-from engine.speculation.drafter_artifact import Lineage, read_meta, save_drafter
+from specloop.daemon.training import distributed
+from specloop.daemon.training.checkpoint import Checkpoint
+from specloop.daemon.training.config import TrainConfig
+from specloop.daemon.training.data_order import DataOrder, split_sequences
+from specloop.daemon.training.drafter_init import build_drafter
+from specloop.daemon.training.heldout import Evaluation
+from specloop.daemon.training.objective import BlockLoss
+from specloop.daemon.training.optimizer_step import OptimizerStep
+from specloop.storage.sequences import TokenSequence
+from specloop.daemon.training.target_features import TargetFeatures
+from specloop.engine.model.transformer import Transformer
+from specloop.engine.speculation.drafter_artifact import Lineage, read_meta, save_drafter
 
 log = logging.getLogger(__name__)
 

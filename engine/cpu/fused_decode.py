@@ -23,10 +23,10 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.model.config import ModelConfig
-from engine.runtime.kv_cache import AttnBatch, KVCache
-from kernels.cpu_decode import load
-from kernels.nvfp4 import NVFP4Weight
+from specloop.engine.model.config import ModelConfig
+from specloop.engine.model.kv_cache import AttnBatch, KVCache
+from specloop.kernels.cpu_decode import load
+from specloop.kernels.nvfp4 import NVFP4Weight
 
 # Passes the kernel takes: up to MAX_ROWS rows of any shape, and one-token decode steps of up to
 # MAX_DECODE_ROWS sequences. Above that oneDNN's GEMM, which reuses each weight across many rows,

@@ -49,10 +49,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cpu.fused_decode import FP4_CHUNK, attach
-from engine.model.nvfp4_linear import Nvfp4Linear
-from engine.model.transformer import Transformer
-from kernels.cpu_decode import cpu_plan, load
+from specloop.engine.cpu.fused_decode import FP4_CHUNK, attach
+from specloop.engine.model.nvfp4_linear import Nvfp4Linear
+from specloop.engine.model.transformer import Transformer
+from specloop.kernels.cpu_decode import cpu_plan, load
 
 # Rows up to which the C++ kernel beats prepacked oneDNN on its own (bf16 LM head: 2.2 vs 2.4 ms at
 # 8 rows, 4.8 vs 3.3 at 16). Inside the fused pass, with no glue ops, it wins up to 16 rows.

@@ -31,8 +31,8 @@ def quantize(
     lm_head: Annotated[bool, typer.Option("--lm-head/--no-lm-head", help="Quantize the LM head too")] = False,
 ) -> None:
     """Quantize a model's weights to NVFP4 (weight-only) and write them as a checkpoint."""
-    from engine.loaders.load import read_stored_model
-    from engine.loaders.quantize import check_output_dir, quantized_stored_model, write_nvfp4_checkpoint
+    from specloop.engine.loaders.load import read_stored_model
+    from specloop.engine.loaders.quantize import check_output_dir, quantized_stored_model, write_nvfp4_checkpoint
 
     try:
         check_output_dir(out)  # before the seconds of reading and quantizing

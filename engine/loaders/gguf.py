@@ -25,10 +25,10 @@ from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from engine.loaders.stored_model import StoredModel
-from engine.model.config import ModelConfig, RopeScaling
-from engine.model.fingerprint import weights_digest
-from engine.model.tokenizer import Tokenizer
+from specloop.engine.loaders.stored_model import StoredModel
+from specloop.engine.model.config import ModelConfig, RopeScaling
+from specloop.engine.model.fingerprint import weights_digest
+from specloop.engine.model.tokenizer import Tokenizer
 
 _ARCHS = ("llama", "qwen2", "qwen3")
 

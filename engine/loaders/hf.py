@@ -25,11 +25,11 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer as BackendTokenizer
 
-from engine.loaders.nvfp4_checkpoint import detect_layout, from_tensors
-from engine.loaders.stored_model import StoredModel, nvfp4_stored_model
-from engine.model.config import ModelConfig
-from engine.model.fingerprint import weights_digest
-from engine.model.tokenizer import Tokenizer
+from specloop.engine.loaders.nvfp4_checkpoint import detect_layout, from_tensors
+from specloop.engine.loaders.stored_model import StoredModel, nvfp4_stored_model
+from specloop.engine.model.config import ModelConfig
+from specloop.engine.model.fingerprint import weights_digest
+from specloop.engine.model.tokenizer import Tokenizer
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 _ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}

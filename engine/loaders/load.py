@@ -6,7 +6,7 @@ and the one place that says which device is the default. It is not a loader itse
 `gguf.py`) and it knows nothing about serving.
 
 `WeightFormat("nvfp4", ...)` serves NVFP4 weights (`engine/model/nvfp4_linear.py`,
-`nvfp4_embedding.py`): an NVFP4 checkpoint's own, or a dense model's quantized on load
+`engine/model/nvfp4_embedding.py`): an NVFP4 checkpoint's own, or a dense model's quantized on load
 (`quantize.py`), which is the same model as the checkpoint `specloop quantize` writes from it,
 fingerprint included. The dense weights (`WeightFormat()`) of an NVFP4 checkpoint are its
 dequantized weights in ordinary layers, still under its NVFP4 fingerprint.
@@ -18,15 +18,15 @@ from pathlib import Path
 
 import torch
 
-from engine.cpu.linear import optimize_for_cpu_inference
-from engine.loaders.gguf import read_gguf
-from engine.loaders.hf import read_hf_dir
-from engine.loaders.quantize import fuse_for_transformer, quantized_stored_model
-from engine.loaders.stored_model import StoredModel
-from engine.loaders.weight_format import DENSE, WeightFormat
-from engine.model.nvfp4_linear import apply_nvfp4
-from engine.model.tokenizer import Tokenizer
-from engine.model.transformer import Transformer
+from specloop.engine.cpu.linear import optimize_for_cpu_inference
+from specloop.engine.loaders.gguf import read_gguf
+from specloop.engine.loaders.hf import read_hf_dir
+from specloop.engine.loaders.quantize import fuse_for_transformer, quantized_stored_model
+from specloop.engine.loaders.stored_model import StoredModel
+from specloop.engine.loaders.weight_format import DENSE, WeightFormat
+from specloop.engine.model.nvfp4_linear import apply_nvfp4
+from specloop.engine.model.tokenizer import Tokenizer
+from specloop.engine.model.transformer import Transformer
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -27,7 +27,7 @@ from typing import Any, Literal, cast, get_args
 
 import torch
 
-from kernels.nvfp4 import BLOCK, NVFP4Weight
+from specloop.kernels.nvfp4 import BLOCK, NVFP4Weight
 
 log = logging.getLogger(__name__)
 

@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.loaders.hf import hf_config, write_hf_tokenizer, write_json
-from engine.loaders.nvfp4_checkpoint import check_layout, hf_quant_config, quantization_config, to_tensors
-from engine.loaders.stored_model import StoredModel, nvfp4_stored_model
-from engine.model.config import ModelConfig
-from kernels.nvfp4 import BLOCK, E2M1_MAX, E4M3_MAX, NVFP4Weight, dequantize, quantize
+from specloop.engine.loaders.hf import hf_config, write_hf_tokenizer, write_json
+from specloop.engine.loaders.nvfp4_checkpoint import check_layout, hf_quant_config, quantization_config, to_tensors
+from specloop.engine.loaders.stored_model import StoredModel, nvfp4_stored_model
+from specloop.engine.model.config import ModelConfig
+from specloop.kernels.nvfp4 import BLOCK, E2M1_MAX, E4M3_MAX, NVFP4Weight, dequantize, quantize
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model.config import ModelConfig
-from engine.model.fingerprint import base_model_fingerprint, nvfp4_weights_digest
-from engine.model.tokenizer import Tokenizer
-from kernels.nvfp4 import NVFP4Weight, dequantize
+from specloop.engine.model.config import ModelConfig
+from specloop.engine.model.fingerprint import base_model_fingerprint, nvfp4_weights_digest
+from specloop.engine.model.tokenizer import Tokenizer
+from specloop.kernels.nvfp4 import NVFP4Weight, dequantize
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,9 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from engine.model.config import ModelConfig
-from engine.model.tokenizer import Tokenizer
-from kernels.nvfp4 import NVFP4Weight
+from specloop.engine.model.config import ModelConfig
+from specloop.engine.model.tokenizer import Tokenizer
+from specloop.kernels.nvfp4 import NVFP4Weight
 
 FINGERPRINT_HEX_CHARS = 16
 _VERSION = b"specloop-fingerprint-v1\0"

@@ -12,7 +12,7 @@ Not here: the format (`kernels/nvfp4.py`) or choosing to quantize (`engine/loade
 import torch
 from torch import nn
 
-from kernels.nvfp4 import BLOCK, NVFP4Weight, dequantize
+from specloop.kernels.nvfp4 import BLOCK, NVFP4Weight, dequantize
 
 
 class Nvfp4Embedding(nn.Module):

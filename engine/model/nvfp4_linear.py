@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.nvfp4_embedding import Nvfp4Embedding
-from kernels.nvfp4 import NVFP4Weight, dequantize
+from specloop.engine.model.nvfp4_embedding import Nvfp4Embedding
+from specloop.kernels.nvfp4 import NVFP4Weight, dequantize
 
 _TRITON_ROWS = 64  # kernels/nvfp4_triton.py's MAX_ROWS, without importing triton on CPU-only machines
 
@@ -40,7 +40,7 @@ class Nvfp4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.numel() // x.shape[-1] <= _TRITON_ROWS:
-            from kernels.nvfp4_triton import nvfp4_linear  # triton loads only where it runs
+            from specloop.kernels.nvfp4_triton import nvfp4_linear  # triton loads only where it runs
 
             return nvfp4_linear(x, self.q, self.bias)
         return F.linear(x, self.weight, self.bias)

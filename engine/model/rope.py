@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from engine.model.config import ModelConfig, RopeScaling
+from specloop.engine.model.config import ModelConfig, RopeScaling
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> tuple[torch.Tensor, float]:

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.attention import attend
-from engine.model.config import ModelConfig
-from engine.model.rope import apply_rope, rope_tables
-from engine.runtime.kv_cache import AttnBatch, KVCache
+from specloop.engine.model.attention import attend
+from specloop.engine.model.config import ModelConfig
+from specloop.engine.model.rope import apply_rope, rope_tables
+from specloop.engine.model.kv_cache import AttnBatch, KVCache
 
 
 class RMSNorm(nn.Module):
@@ -103,7 +103,7 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(config, rope_len or config.max_position, torch.device("cpu"))
         self.register_buffer("rope_cos", cos, persistent=False)  # [T, D] fp32
         self.register_buffer("rope_sin", sin, persistent=False)  # [T, D] fp32
-        self.fused_decoder = None  # set by `engine.cpu.fused_decode.attach` for small cached passes on the CPU
+        self.fused_decoder = None  # set by `specloop.engine.cpu.fused_decode.attach` for small cached passes on the CPU
 
     # The final norm's weight, not the embedding's, gives device and dtype: an NVFP4 embedding
     # (engine/model/nvfp4_embedding.py) has no dense weight to read.

@@ -27,7 +27,7 @@ import llguidance
 import llguidance.torch
 import torch
 
-from engine.model.tokenizer import Tokenizer
+from specloop.engine.model.tokenizer import Tokenizer
 
 
 class Grammar:

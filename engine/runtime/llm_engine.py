@@ -37,19 +37,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.model.transformer import Transformer
-from engine.runtime.grammar import Grammar, mask_logits
-from engine.runtime.logprobs import token_logprobs
-from engine.runtime.model_runner import ModelRunner
-from engine.runtime.sampler import Sampler
-from engine.runtime.scheduler import PrefillChunk, Scheduler
-from engine.runtime.sequence import SamplingParams, Sequence, Status, TokenDelta
-from engine.runtime.torch_thread import TorchThread
-from engine.speculation.proposer import ServedDrafter
-from engine.speculation.verify import accept_lengths, committed_tokens
+from specloop.engine.model.transformer import Transformer
+from specloop.engine.runtime.grammar import Grammar, mask_logits
+from specloop.engine.runtime.logprobs import token_logprobs
+from specloop.engine.runtime.model_runner import ModelRunner
+from specloop.engine.runtime.sampler import Sampler
+from specloop.engine.runtime.scheduler import PrefillChunk, Scheduler
+from specloop.engine.runtime.sequence import SamplingParams, Sequence, Status, TokenDelta
+from specloop.engine.runtime.torch_thread import TorchThread
+from specloop.engine.speculation.proposer import ServedDrafter
+from specloop.engine.speculation.verify import accept_lengths, committed_tokens
 
 if TYPE_CHECKING:
-    from engine.speculation.proposer import Proposer
+    from specloop.engine.speculation.proposer import Proposer
 
 # Builds the next drafter on the engine thread, between two steps, from the per-slot capacity it
 # must allocate: (num_slots, positions per slot). Raising refuses the swap; None swaps to no drafter.

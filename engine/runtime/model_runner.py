@@ -9,10 +9,10 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from engine.model.attention import cache_dtype
-from engine.model.transformer import Transformer
-from engine.runtime.kv_cache import AttnBatch, KVCache
-from engine.runtime.sequence import Sequence
+from specloop.engine.model.attention import cache_dtype
+from specloop.engine.model.transformer import Transformer
+from specloop.engine.model.kv_cache import AttnBatch, KVCache
+from specloop.engine.runtime.sequence import Sequence
 
 
 class ModelRunner:

@@ -10,7 +10,7 @@ This file does not decide which drafts to keep: the verify rule lives in `engine
 
 import torch
 
-from engine.runtime.sequence import SamplingParams
+from specloop.engine.runtime.sequence import SamplingParams
 
 
 class Sampler:

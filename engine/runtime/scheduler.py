@@ -11,7 +11,7 @@ The scheduler never touches tensors; it only moves `Sequence`s between lists and
 from collections import deque
 from dataclasses import dataclass
 
-from engine.runtime.sequence import Sequence, Status
+from specloop.engine.runtime.sequence import Sequence, Status
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.runtime.logprobs import MAX_TOP, TokenLogprob
+from specloop.engine.runtime.logprobs import MAX_TOP, TokenLogprob
 
 if TYPE_CHECKING:
-    from engine.runtime.grammar import Grammar
-    from engine.speculation.proposer import ServedDrafter
+    from specloop.engine.runtime.grammar import Grammar
+    from specloop.engine.speculation.proposer import ServedDrafter
 
 
 @dataclass(frozen=True)

@@ -35,14 +35,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from consent.tenants import TenantDirectory
-from engine.loaders.load import LoadedModel
-from engine.runtime.grammar import Grammar, GrammarCompiler
-from engine.runtime.llm_engine import LLMEngine, PromptTooLong
-from engine.runtime.sequence import SamplingParams, SpecStats
-from engine.server.logprobs_format import chat_logprobs, completion_logprobs, prompt_entries
-from engine.server.metrics import CONTENT_TYPE, ServerMetrics
-from engine.server.protocol import (
+from specloop.consent.tenants import TenantDirectory
+from specloop.engine.loaders.load import LoadedModel
+from specloop.engine.runtime.grammar import Grammar, GrammarCompiler
+from specloop.engine.runtime.llm_engine import LLMEngine, PromptTooLong
+from specloop.engine.runtime.sequence import SamplingParams, SpecStats
+from specloop.engine.server.logprobs_format import chat_logprobs, completion_logprobs, prompt_entries
+from specloop.engine.server.metrics import CONTENT_TYPE, ServerMetrics
+from specloop.engine.server.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -64,8 +64,8 @@ from engine.server.protocol import (
     new_id,
     now,
 )
-from engine.server.serving import EngineFailed, FinishHook, Generation, RequestInput, ServingContext
-from engine.server.settings import ServerSettings
+from specloop.engine.server.serving import EngineFailed, FinishHook, Generation, RequestInput, ServingContext
+from specloop.engine.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
 

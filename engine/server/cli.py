@@ -21,17 +21,17 @@ import typer
 import uvicorn
 from pydantic import ValidationError
 
-from engine.server.settings import ServerSettings
+from specloop.engine.server.settings import ServerSettings
 
 if TYPE_CHECKING:
     from fastapi import APIRouter, FastAPI
 
-    from consent.settings import ConsentSettings
-    from engine.loaders.load import LoadedModel
-    from engine.runtime.llm_engine import LLMEngine
-    from engine.server.metrics import ServerMetrics
-    from engine.speculation.follower import DrafterFollower
-    from engine.speculation.proposer import Proposer
+    from specloop.consent.settings import ConsentSettings
+    from specloop.engine.loaders.load import LoadedModel
+    from specloop.engine.runtime.llm_engine import LLMEngine
+    from specloop.engine.server.metrics import ServerMetrics
+    from specloop.engine.server.drafter_follower import DrafterFollower
+    from specloop.engine.speculation.proposer import Proposer
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +103,9 @@ def run_server(settings: ServerSettings) -> None:
 def build_server(settings: ServerSettings) -> tuple["FastAPI", "LoadedModel"]:
     """The app `specloop serve` runs: model, engine, tenants and, with a broker, trace capture."""
     # Imported here so that `specloop --help` and other packages' commands skip FastAPI and loaders.
-    from engine.loaders.load import load_for_inference
-    from engine.runtime.llm_engine import LLMEngine
-    from engine.runtime.torch_thread import TorchThread
+    from specloop.engine.loaders.load import load_for_inference
+    from specloop.engine.runtime.llm_engine import LLMEngine
+    from specloop.engine.runtime.torch_thread import TorchThread
 
     consent = _consent_settings()
     device, dtype = settings.torch_device(), settings.torch_dtype()
@@ -127,9 +127,9 @@ def build_server(settings: ServerSettings) -> tuple["FastAPI", "LoadedModel"]:
 def serving_app(settings: ServerSettings, loaded: "LoadedModel", engine: "LLMEngine",
                 consent: "ConsentSettings") -> "FastAPI":
     """The app over a loaded model and its engine: tenants from `consent`, capture when a broker is set."""
-    from consent.tenants import TenantDirectory
-    from engine.server.api import build_app
-    from engine.server.metrics import ServerMetrics
+    from specloop.consent.tenants import TenantDirectory
+    from specloop.engine.server.api import build_app
+    from specloop.engine.server.metrics import ServerMetrics
 
     try:
         tenants = TenantDirectory.load(consent.tenants_file)
@@ -139,7 +139,7 @@ def serving_app(settings: ServerSettings, loaded: "LoadedModel", engine: "LLMEng
     routers, companions = [], []
     if settings.registry is not None:
         follower = _follower(settings, loaded, engine, metrics)
-        from engine.server.drafter_admin import build_drafter_admin_router
+        from specloop.engine.server.drafter_admin import build_drafter_admin_router
 
         routers.append(_under_admin(build_drafter_admin_router(follower, consent.resolve().admin_token)))
         companions.append((follower.start, follower.stop))
@@ -147,7 +147,7 @@ def serving_app(settings: ServerSettings, loaded: "LoadedModel", engine: "LLMEng
         log.info("trace capture off (no --kafka-bootstrap)")
         return build_app(loaded, engine, settings, extra_routers=routers, tenants=tenants, metrics=metrics,
                          companions=companions)
-    from engine.server.trace_hook import open_capture
+    from specloop.engine.server.trace_hook import open_capture
 
     capture = open_capture(settings, consent.resolve(), tenants, metrics.registry, loaded.tokenizer.decode)
     log.info("capturing consented traces to %s topic %s", settings.kafka_bootstrap, settings.kafka_topic)
@@ -167,8 +167,8 @@ def _under_admin(router: "APIRouter") -> "APIRouter":
 def _follower(settings: ServerSettings, loaded: "LoadedModel", engine: "LLMEngine",
               metrics: "ServerMetrics") -> "DrafterFollower":
     """The thread that keeps the engine on the registry's champion drafter for the served model."""
-    from engine.speculation.follower import DrafterFollower, probe_text_tokens
-    from storage.registry import DrafterRegistry
+    from specloop.engine.server.drafter_follower import DrafterFollower, probe_text_tokens
+    from specloop.storage.registry import DrafterRegistry
 
     kind = settings.proposer_kind()
     assert kind in ("dflash", "combined"), kind  # settings refuse a registry with n-gram lookup alone
@@ -180,7 +180,7 @@ def _follower(settings: ServerSettings, loaded: "LoadedModel", engine: "LLMEngin
 
 
 def _consent_settings() -> "ConsentSettings":
-    from consent.settings import ConsentSettings
+    from specloop.consent.settings import ConsentSettings
 
     try:
         return ConsentSettings()
@@ -195,8 +195,8 @@ def _proposer(settings: ServerSettings, loaded: "LoadedModel") -> tuple["Propose
     Following a registry, the engine starts with n-gram lookup alone (combined) or nothing (dflash)
     and the follower swaps the champion in once it has checked it.
     """
-    from engine.speculation.build import build_proposer
-    from engine.speculation.drafter_artifact import load_drafter
+    from specloop.engine.speculation.build import build_proposer
+    from specloop.engine.speculation.drafter_artifact import load_drafter
 
     kind = settings.proposer_kind()
     if kind is None or (kind == "dflash" and settings.registry is not None):

@@ -3,7 +3,7 @@
 Authenticated like the consent admin API (the admin token as a bearer token: 401 without one, 403
 with a wrong one) and answered in the OpenAI error shape. The body is optional and, when given,
 must be an empty JSON object: anything else is a 400 naming what is wrong. The answer is what the
-look did (`engine/speculation/follower.py`, `CheckResult`): `swapped`, `unchanged`, `refused`
+look did (`engine/server/drafter_follower.py`, `CheckResult`): `swapped`, `unchanged`, `refused`
 (with the reason), `no_champion` or `unavailable` (the registry could not be reached; 503).
 """
 
@@ -15,8 +15,8 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-from consent.admin_api import admin_route_class
-from engine.speculation.follower import DrafterFollower
+from specloop.consent.admin_api import admin_route_class
+from specloop.engine.server.drafter_follower import DrafterFollower
 
 
 class ReloadBody(BaseModel):

@@ -14,10 +14,10 @@ reported. The values themselves come from the engine (`engine/runtime/logprobs.p
 from collections import deque
 from collections.abc import Sequence
 
-from engine.model.tokenizer import Tokenizer
-from engine.runtime.logprobs import TokenLogprob
-from engine.server.detokenizer import Detokenizer
-from engine.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from specloop.engine.model.tokenizer import Tokenizer
+from specloop.engine.runtime.logprobs import TokenLogprob
+from specloop.engine.server.detokenizer import Detokenizer
+from specloop.engine.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
 
 class EmittedLogprobs:

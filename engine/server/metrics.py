@@ -14,8 +14,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.runtime.llm_engine import EngineStats
-from engine.runtime.sequence import SpecStats
+from specloop.engine.runtime.llm_engine import EngineStats
+from specloop.engine.runtime.sequence import SpecStats
 
 # Seconds; CPU decode of SmolLM2 runs at tens of ms per token, a GPU at a few ms.
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
@@ -115,7 +115,7 @@ class ServerMetrics:
             self.spec_accepted_per_pos.labels(drafter_version=version, position=str(pos)).inc(accepted)
 
     def record_swap(self, result: str, reason: str | None) -> None:
-        """One drafter swap tried: `ok`, or `refused` with its reason (engine/speculation/follower.py)."""
+        """One drafter swap tried: `ok`, or `refused` with its reason (engine/server/drafter_follower.py)."""
         self.drafter_swaps.labels(result=result, reason=reason or "").inc()
 
     def render(self) -> bytes:

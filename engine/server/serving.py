@@ -16,15 +16,15 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from engine.loaders.weight_format import DENSE, WeightFormat
-from engine.model.tokenizer import Tokenizer
-from engine.runtime.grammar import Grammar, GrammarCompiler
-from engine.runtime.llm_engine import LLMEngine
-from engine.runtime.logprobs import TokenLogprob
-from engine.runtime.sequence import SamplingParams, SpecStats
-from engine.server.detokenizer import Detokenizer, StopStringMatcher
-from engine.server.logprobs_format import EmittedLogprobs
-from engine.server.metrics import ServerMetrics
+from specloop.engine.loaders.weight_format import DENSE, WeightFormat
+from specloop.engine.model.tokenizer import Tokenizer
+from specloop.engine.runtime.grammar import Grammar, GrammarCompiler
+from specloop.engine.runtime.llm_engine import LLMEngine
+from specloop.engine.runtime.logprobs import TokenLogprob
+from specloop.engine.runtime.sequence import SamplingParams, SpecStats
+from specloop.engine.server.detokenizer import Detokenizer, StopStringMatcher
+from specloop.engine.server.logprobs_format import EmittedLogprobs
+from specloop.engine.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from engine.loaders.weight_format import WeightFormat, nvfp4_part
+from specloop.engine.loaders.weight_format import WeightFormat, nvfp4_part
 
 if TYPE_CHECKING:  # torch and the engine load inside the methods: `specloop --help` imports this file
     import torch
 
-    from engine.runtime.llm_engine import EngineConfig
+    from specloop.engine.runtime.llm_engine import EngineConfig
 
 KafkaConfig = dict[str, str | int | float | bool]
 
@@ -45,7 +45,7 @@ class ServerSettings(BaseSettings):
     max_prefill_tokens: int = Field(2048, ge=1)
     drafter: Path | None = None
     # An MLflow tracking URI (sqlite:///... or http://...): draft with the served base model's `champion`
-    # drafter there, swapped live when the alias moves (engine/speculation/follower.py).
+    # drafter there, swapped live when the alias moves (engine/server/drafter_follower.py).
     registry: str | None = None
     registry_poll_s: float = Field(30.0, gt=0)
     drafter_cache_dir: Path = Path("data/drafters")  # registry versions are downloaded here
@@ -145,12 +145,12 @@ class ServerSettings(BaseSettings):
         return getattr(torch, self.dtype)
 
     def torch_device(self) -> "torch.device":
-        from engine.loaders.load import resolve_device
+        from specloop.engine.loaders.load import resolve_device
 
         return resolve_device(self.device)
 
     def engine_config(self) -> "EngineConfig":
-        from engine.runtime.llm_engine import EngineConfig
+        from specloop.engine.runtime.llm_engine import EngineConfig
 
         return EngineConfig(num_slots=self.num_slots, max_len=self.max_len,
                             max_prefill_tokens=self.max_prefill_tokens, speculate=self.speculate)

@@ -26,17 +26,17 @@ from datetime import UTC, datetime
 from fastapi import APIRouter
 from prometheus_client import CollectorRegistry, Counter
 
-from consent.admin_api import build_admin_router
-from consent.capture import CaptureDecision, CapturePolicy
-from consent.pseudonym import Pseudonymizer
-from consent.registry import ConsentRegistry
-from consent.settings import ConsentConfig
-from consent.tenants import TenantDirectory
-from engine.server.serving import FinishedRequest
-from engine.server.settings import ServerSettings
-from storage.erasure import erase_subject
-from storage.producer import TraceProducer
-from storage.schema import Trace, TraceSampling, TraceSpecStats
+from specloop.consent.admin_api import build_admin_router
+from specloop.consent.capture import CaptureDecision, CapturePolicy
+from specloop.consent.pseudonym import Pseudonymizer
+from specloop.consent.registry import ConsentRegistry
+from specloop.consent.settings import ConsentConfig
+from specloop.consent.tenants import TenantDirectory
+from specloop.engine.server.serving import FinishedRequest
+from specloop.engine.server.settings import ServerSettings
+from specloop.storage.erasure import erase_subject
+from specloop.storage.producer import TraceProducer
+from specloop.storage.schema import Trace, TraceSampling, TraceSpecStats
 
 log = logging.getLogger(__name__)
 

@@ -3,17 +3,17 @@
 Kinds: `ngram` (prompt lookup, no drafter), `dflash` (the drafter alone) and `combined` (n-gram
 lookup where it matched at least 3 tokens, the drafter elsewhere). `specloop serve` builds one at
 start-up and the registry follower builds one for every new champion, both through `build_proposer`.
-Not here: reading artifacts (`drafter_artifact.py`) or deciding which drafter serves (`follower.py`).
+Not here: reading artifacts (`drafter_artifact.py`) or deciding which drafter serves (`engine/server/drafter_follower.py`).
 """
 
 from typing import Literal
 
-from engine.model.transformer import Transformer
-from engine.speculation.combined import CombinedProposer
-from engine.speculation.dflash import DFlashDrafter
-from engine.speculation.dflash_proposer import DFlashProposer
-from engine.speculation.ngram import NgramProposer
-from engine.speculation.proposer import Proposer
+from specloop.engine.model.transformer import Transformer
+from specloop.engine.speculation.combined import CombinedProposer
+from specloop.engine.speculation.dflash import DFlashDrafter
+from specloop.engine.speculation.dflash_proposer import DFlashProposer
+from specloop.engine.speculation.ngram import NgramProposer
+from specloop.engine.speculation.proposer import Proposer
 
 ProposerKind = Literal["ngram", "dflash", "combined"]
 

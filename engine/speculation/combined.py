@@ -6,9 +6,9 @@ It only routes rows between two proposers; neither drafter's logic is here
 
 import torch
 
-from engine.speculation.dflash_proposer import DFlashProposer
-from engine.speculation.ngram import NgramProposer
-from engine.speculation.proposer import Proposer
+from specloop.engine.speculation.dflash_proposer import DFlashProposer
+from specloop.engine.speculation.ngram import NgramProposer
+from specloop.engine.speculation.proposer import Proposer
 
 
 class CombinedProposer(Proposer):

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.model.attention import attend
-from engine.model.config import ModelConfig, RopeScaling
-from engine.model.rope import apply_rope, rope_tables
-from engine.model.transformer import MLP, RMSNorm
+from specloop.engine.model.attention import attend
+from specloop.engine.model.config import ModelConfig, RopeScaling
+from specloop.engine.model.rope import apply_rope, rope_tables
+from specloop.engine.model.transformer import MLP, RMSNorm
 
 
 def spread_tap_layers(num_target_layers: int, num_taps: int) -> tuple[int, ...]:

@@ -20,13 +20,13 @@ Not here: the drafter maths (`engine/speculation/dflash.py`), the verify rule (`
 import torch
 from torch import nn
 
-from engine.cpu.fused_decode import fused_drafter
-from engine.cpu.linear import for_cpu_inference, optimize_for_cpu_inference
-from engine.model.attention import cache_dtype
-from engine.model.transformer import Transformer
-from engine.runtime.kv_cache import AttnBatch, KVCache
-from engine.speculation.dflash import DFlashDrafter
-from engine.speculation.proposer import Proposer
+from specloop.engine.cpu.fused_decode import fused_drafter
+from specloop.engine.cpu.linear import for_cpu_inference, optimize_for_cpu_inference
+from specloop.engine.model.attention import cache_dtype
+from specloop.engine.model.transformer import Transformer
+from specloop.engine.model.kv_cache import AttnBatch, KVCache
+from specloop.engine.speculation.dflash import DFlashDrafter
+from specloop.engine.speculation.proposer import Proposer
 
 
 class DFlashProposer(Proposer):

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.speculation.dflash import DFlashConfig, DFlashDrafter
+from specloop.engine.speculation.dflash import DFlashConfig, DFlashDrafter
 
 FORMAT = "specloop-dflash-drafter"
 FORMAT_VERSION = 1

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from engine.speculation.proposer import StatelessProposer
+from specloop.engine.speculation.proposer import StatelessProposer
 
 
 def lookup(history: list[int], k: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int]:

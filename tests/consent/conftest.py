@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from consent.pseudonym import Pseudonymizer
-from consent.registry import ConsentRegistry
-from consent.settings import ConsentConfig
-from consent.tenants import TenantDirectory, TenantPolicy
+from specloop.consent.pseudonym import Pseudonymizer
+from specloop.consent.registry import ConsentRegistry
+from specloop.consent.settings import ConsentConfig
+from specloop.consent.tenants import TenantDirectory, TenantPolicy
 
 HMAC_KEY = b"k3y-for-tests-only-5d1f0c9a7b2e4f6a8c0d"
 ADMIN_TOKEN = "adm1n-tok3n-for-tests-9f8e7d6c5b4a3210"
@@ -58,8 +58,8 @@ def tenants() -> TenantDirectory:
 @pytest.fixture
 def write_traces(config: ConsentConfig) -> Callable[[list[tuple[str, str]], int], Path]:
     """Writes one real sink-named Parquet file of traces for (tenant, subject) pairs via storage."""
-    schema = pytest.importorskip("storage.schema")
-    layout = pytest.importorskip("storage.layout")
+    schema = pytest.importorskip("specloop.storage.schema")
+    layout = pytest.importorskip("specloop.storage.layout")
 
     def write(owners: list[tuple[str, str]], first_offset: int) -> Path:
         at = datetime(2025, 6, 1, 12, tzinfo=UTC)

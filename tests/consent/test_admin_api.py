@@ -8,12 +8,12 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from consent.admin_api import build_admin_router
-from consent.pseudonym import Pseudonymizer
-from consent.registry import ConsentRegistry
-from consent.settings import ConsentConfig
-from consent.tenants import TenantDirectory
-from storage.erasure import erase_subject
+from specloop.consent.admin_api import build_admin_router
+from specloop.consent.pseudonym import Pseudonymizer
+from specloop.consent.registry import ConsentRegistry
+from specloop.consent.settings import ConsentConfig
+from specloop.consent.tenants import TenantDirectory
+from specloop.storage.erasure import erase_subject
 
 ADMIN_TOKEN = "adm1n-tok3n-for-tests-9f8e7d6c5b4a3210"
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -114,7 +114,7 @@ def test_malformed_json_is_400(client: TestClient) -> None:
 def test_revoke_with_erase(client: TestClient, pseudonymizer: Pseudonymizer,
                            write_traces: Callable[[list[tuple[str, str]], int], Path],
                            subject_rows: Callable[[str, str], int]) -> None:
-    pytest.importorskip("storage.erasure")
+    pytest.importorskip("specloop.storage.erasure")
     subject = pseudonymizer.subject("acme", "bob")
     client.post("/admin/consents", headers=AUTH, json={"tenant": "acme", "user": "bob"})
     write_traces([("acme", subject), ("acme", "f" * 64)], 0)

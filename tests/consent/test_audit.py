@@ -4,7 +4,7 @@ import json
 import stat
 from pathlib import Path
 
-from consent.audit import append_audit
+from specloop.consent.audit import append_audit
 
 
 def test_audit_log_appends_private_lines(tmp_path: Path) -> None:

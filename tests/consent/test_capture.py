@@ -6,10 +6,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from consent.capture import CaptureDecision, CapturePolicy, CaptureReason
-from consent.pseudonym import Pseudonymizer
-from consent.registry import ConsentRegistry
-from consent.tenants import TenantDirectory
+from specloop.consent.capture import CaptureDecision, CapturePolicy, CaptureReason
+from specloop.consent.pseudonym import Pseudonymizer
+from specloop.consent.registry import ConsentRegistry
+from specloop.consent.tenants import TenantDirectory
 
 T0 = datetime(2025, 6, 1, tzinfo=UTC)
 NOW = T0 + timedelta(days=1)

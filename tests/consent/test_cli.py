@@ -8,10 +8,10 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from consent.cli import register
-from consent.pseudonym import Pseudonymizer
-from consent.registry import ConsentRegistry
-from storage.erasure import erase_subject
+from specloop.consent.cli import register
+from specloop.consent.pseudonym import Pseudonymizer
+from specloop.consent.registry import ConsentRegistry
+from specloop.storage.erasure import erase_subject
 
 STRONG_KEY = "q8Vn2LrT5wXy7Zb1Cd4Ef6Gh9Jk3Mn0Pq"
 
@@ -90,7 +90,7 @@ def test_revoke_with_erase(run: Callable[..., object], tmp_path: Path,
                            write_traces: Callable[[list[tuple[str, str]], int], Path],
                            subject_rows: Callable[[str, str], int],
                            monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("storage.erasure")
+    pytest.importorskip("specloop.storage.erasure")
     monkeypatch.setenv("SPECLOOP_TRACES_ROOT", str(tmp_path / "traces"))  # where write_traces writes
     subject = Pseudonymizer(STRONG_KEY.encode()).subject("acme", "bob")
     assert run("grant", "--tenant", "acme", "--user", "bob").exit_code == 0

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from consent.erasure import revoke_and_erase
-from consent.pseudonym import Pseudonymizer
-from consent.registry import ConsentRegistry
-from consent.settings import ConsentConfig
-from storage.erasure import erase_subject
+from specloop.consent.erasure import revoke_and_erase
+from specloop.consent.pseudonym import Pseudonymizer
+from specloop.consent.registry import ConsentRegistry
+from specloop.consent.settings import ConsentConfig
+from specloop.storage.erasure import erase_subject
 
 WriteTraces = Callable[[list[tuple[str, str]], int], Path]
 

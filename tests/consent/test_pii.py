@@ -5,7 +5,7 @@ import string
 
 import pytest
 
-from consent.pii import PiiKind, luhn_valid, scan
+from specloop.consent.pii import PiiKind, luhn_valid, scan
 
 
 def kinds(text: str) -> set[PiiKind]:

@@ -2,8 +2,8 @@
 
 import pytest
 
-from consent.pseudonym import Pseudonymizer, is_pseudonym
-from consent.registry import ConsentRegistry, InvalidField
+from specloop.consent.pseudonym import Pseudonymizer, is_pseudonym
+from specloop.consent.registry import ConsentRegistry, InvalidField
 
 
 def test_stable_and_shaped(pseudonymizer: Pseudonymizer) -> None:

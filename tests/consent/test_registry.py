@@ -8,7 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from consent.registry import MIGRATIONS, ConsentRegistry, InvalidField, migrate
+from specloop.consent.registry import MIGRATIONS, ConsentRegistry, InvalidField, migrate
 
 T0 = datetime(2025, 6, 1, 12, 0, tzinfo=UTC)
 S1 = "1" * 64

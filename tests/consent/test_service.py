@@ -2,10 +2,10 @@
 
 import pytest
 
-from consent.registry import ConsentRegistry, InvalidField
-from consent.service import ConsentService
-from consent.settings import ConsentConfig
-from consent.tenants import TenantDirectory
+from specloop.consent.registry import ConsentRegistry, InvalidField
+from specloop.consent.service import ConsentService
+from specloop.consent.settings import ConsentConfig
+from specloop.consent.tenants import TenantDirectory
 
 
 def test_erase_without_an_eraser_is_refused_and_revokes_nothing(

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from consent.settings import ConsentSettings, load_or_create_secrets
+from specloop.consent.settings import ConsentSettings, load_or_create_secrets
 
 STRONG = "q8Vn2LrT5wXy7Zb1Cd4Ef6Gh9Jk3Mn0Pq"
 

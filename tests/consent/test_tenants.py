@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from consent.tenants import ANONYMOUS, TenantDirectory, parse_tenants
+from specloop.consent.tenants import ANONYMOUS, TenantDirectory, parse_tenants
 
 EXAMPLE = Path(__file__).parents[2] / "deploy" / "tenants.example.yaml"
 

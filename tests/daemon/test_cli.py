@@ -6,7 +6,7 @@ from collections.abc import Iterator
 import pytest
 from typer.testing import CliRunner
 
-from daemon.cli import app, configure_logging
+from specloop.daemon.cli import app, configure_logging
 
 
 @pytest.fixture

@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.shipped_drafters import SHIPPED, seed_registry, shipped_drafters
-from engine.loaders.load import LoadedModel
-from engine.speculation.drafter_artifact import Lineage, save_drafter
-from engine.speculation.follower import check_artifact
-from storage.registry import CHAMPION, DrafterRegistry
+from specloop.daemon.shipped_drafters import SHIPPED, seed_registry, shipped_drafters
+from specloop.engine.loaders.load import LoadedModel
+from specloop.engine.speculation.drafter_artifact import Lineage, save_drafter
+from specloop.engine.server.drafter_follower import check_artifact
+from specloop.storage.registry import CHAMPION, DrafterRegistry
 from tests.dflash_helpers import tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,7 +1,7 @@
 """Fixtures for the end-to-end capture tests: a real server with capture wired as `specloop serve` does.
 
 `capture_stack(...)` serves the tiny random Llama (`tests/model_fixtures.py`) with n-gram
-speculation behind a real uvicorn, through `engine.server.cli.serving_app` (the same wiring as the CLI:
+speculation behind a real uvicorn, through `specloop.engine.server.cli.serving_app` (the same wiring as the CLI:
 tenants, consent registry, capture policy, Kafka producer, admin API), pointed at the session's
 real tansu broker, with a real `TraceSink` thread writing Parquet. Nothing is mocked.
 """
@@ -19,15 +19,15 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from pydantic import SecretStr
 
-from consent.pseudonym import Pseudonymizer
-from consent.settings import ConsentConfig, ConsentSettings
-from engine.loaders.load import LoadedModel
-from engine.runtime.llm_engine import LLMEngine
-from engine.server.cli import serving_app
-from engine.server.settings import ServerSettings
-from engine.speculation.ngram import NgramProposer
-from storage.broker import EmbeddedBroker, ensure_topics
-from storage.sink import SinkConfig, TraceSink
+from specloop.consent.pseudonym import Pseudonymizer
+from specloop.consent.settings import ConsentConfig, ConsentSettings
+from specloop.engine.loaders.load import LoadedModel
+from specloop.engine.runtime.llm_engine import LLMEngine
+from specloop.engine.server.cli import serving_app
+from specloop.engine.server.settings import ServerSettings
+from specloop.engine.speculation.ngram import NgramProposer
+from specloop.storage.broker import EmbeddedBroker, ensure_topics
+from specloop.storage.sink import SinkConfig, TraceSink
 from tests.engine.server.conftest import tiny_loaded  # noqa: F401  (fixtures, used by name)
 from tests.server_thread import serve_in_thread
 

@@ -1,6 +1,6 @@
 """Capture end to end: HTTP request → consent decision → Kafka (real tansu) → sink → Parquet → erasure.
 
-The server is wired exactly as `specloop serve --kafka-bootstrap` wires it (`engine.server.cli.serving_app`).
+The server is wired exactly as `specloop serve --kafka-bootstrap` wires it (`specloop.engine.server.cli.serving_app`).
 "Never reaches Kafka" is checked on the topic itself, by consuming every partition from the start.
 """
 
@@ -14,7 +14,7 @@ import httpx
 import pytest
 from kafka import KafkaConsumer
 
-from storage.layout import live_files
+from specloop.storage.layout import live_files
 from tests.integration.conftest import ACME_KEY, INITECH_KEY, CaptureStack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

@@ -6,19 +6,19 @@ then stops it cleanly."""
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from consent.registry import ConsentRegistry
-from daemon.retrain.run_log import Outcome, RunLog
-from daemon.retrain.state_db import open_state
-from engine.loaders.load import LoadedModel
-from storage.broker import free_port
-from storage.registry import DrafterRegistry, Tag
+from specloop.consent.registry import ConsentRegistry
+from specloop.daemon.child_command import specloop_command
+from specloop.daemon.retrain.run_log import RunOutcome, RunLog
+from specloop.daemon.retrain.state_db import open_state
+from specloop.engine.loaders.load import LoadedModel
+from specloop.storage.broker import free_port
+from specloop.storage.registry import DrafterRegistry, Tag
 from tests.daemon.retrain.conftest import SUBJECT, TENANT, store_traces
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
@@ -38,10 +38,10 @@ def start_daemon(tmp_path: Path, model: Path, steps: int, log: Path) -> subproce
     policy = tmp_path / f"policy-{steps}.yaml"
     policy.write_text(POLICY.format(steps=steps))
     env = {**os.environ, "SPECLOOP_DAEMON_LEASE_TTL_S": "3"}
-    command = [sys.executable, "-m", "daemon.cli", "daemon", "--policy", str(policy),
-               "--registry", f"sqlite:///{tmp_path / 'mlflow.db'}", "--traces-root", str(tmp_path / "traces"),
-               "--consent-db", str(tmp_path / "consent.db"), "--state-db", f"sqlite:///{tmp_path / 'state.db'}",
-               "--work-dir", str(tmp_path / "runs"), "--model", str(model), "--port", str(free_port())]
+    command = specloop_command("daemon", "--policy", str(policy), "--registry", f"sqlite:///{tmp_path / 'mlflow.db'}",
+                               "--traces-root", str(tmp_path / "traces"), "--consent-db", str(tmp_path / "consent.db"),
+                               "--state-db", f"sqlite:///{tmp_path / 'state.db'}", "--work-dir", str(tmp_path / "runs"),
+                               "--model", str(model), "--port", str(free_port()))
     with open(log, "ab") as out:
         return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
 
@@ -66,7 +66,7 @@ def test_sigkill_mid_run_then_restart(tiny_hf_model: Callable[[str], Path], deep
 
     first = start_daemon(tmp_path, model, steps=100_000, log=log)  # trains until killed
     try:
-        wait_for(lambda: any(r.step == "train" and r.outcome is Outcome.RUNNING for r in runs.runs()), first, log)
+        wait_for(lambda: any(r.step == "train" and r.outcome is RunOutcome.RUNNING for r in runs.runs()), first, log)
         time.sleep(1.0)
     finally:
         first.kill()
@@ -76,7 +76,7 @@ def test_sigkill_mid_run_then_restart(tiny_hf_model: Callable[[str], Path], deep
 
     second = start_daemon(tmp_path, model, steps=10, log=log)
     try:
-        trained = (Outcome.PROMOTED, Outcome.REFUSED)
+        trained = (RunOutcome.PROMOTED, RunOutcome.REFUSED)
         wait_for(lambda: any(r.outcome in trained for r in runs.runs()), second, log)
         second.send_signal(signal.SIGTERM)
         # uvicorn re-raises the signal once it has shut down gracefully: systemd counts that as clean.
@@ -87,7 +87,7 @@ def test_sigkill_mid_run_then_restart(tiny_hf_model: Callable[[str], Path], deep
             second.kill()
             second.wait()
     killed, *later = runs.runs()
-    assert killed.outcome is Outcome.ABANDONED and "at step train" in killed.detail
+    assert killed.outcome is RunOutcome.ABANDONED and "at step train" in killed.detail
     done = next(r for r in later if r.outcome in trained)
     (version,) = [v for v in registry.versions(deep_loaded.fingerprint) if v.tags.get(Tag.RUN) == done.run_id]
     assert version.tags[Tag.GATE] in ("promote", "refuse") and version.tags[Tag.EVAL_SET]

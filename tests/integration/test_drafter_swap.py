@@ -17,13 +17,13 @@ import httpx
 import pytest
 import torch
 
-from engine.loaders.load import LoadedModel
-from engine.runtime.llm_engine import EngineConfig, LLMEngine
-from engine.runtime.sequence import SamplingParams
-from engine.speculation.dflash import DFlashConfig, DFlashDrafter
-from engine.speculation.drafter_artifact import Lineage, save_drafter
-from storage.broker import EmbeddedBroker
-from storage.registry import CHAMPION, DrafterRegistry
+from specloop.engine.loaders.load import LoadedModel
+from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from specloop.engine.runtime.sequence import SamplingParams
+from specloop.engine.speculation.dflash import DFlashConfig, DFlashDrafter
+from specloop.engine.speculation.drafter_artifact import Lineage, save_drafter
+from specloop.storage.broker import EmbeddedBroker
+from specloop.storage.registry import CHAMPION, DrafterRegistry
 from tests.integration.conftest import ACME_KEY, registry_wiring, running_sink, serving
 from tests.integration.test_capture_pipeline import _rows
 

@@ -8,8 +8,8 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from engine.loaders.load import LoadedModel
-from storage.broker import free_port
+from specloop.engine.loaders.load import LoadedModel
+from specloop.storage.broker import free_port
 from tests.integration.conftest import ACME_KEY, TENANTS_YAML, consent_settings, server_settings, serving
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]

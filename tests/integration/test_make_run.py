@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from benchmarks.server_process import wait_ready
-from storage.broker import free_port
+from specloop.storage.broker import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

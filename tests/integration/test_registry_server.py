@@ -10,10 +10,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.speculation.drafter_artifact import Lineage, load_drafter, save_drafter
-from storage.broker import free_port
-from storage.child_process import die_with_parent
-from storage.registry import CHAMPION, DrafterRegistry
+from specloop.engine.speculation.drafter_artifact import Lineage, load_drafter, save_drafter
+from specloop.storage.broker import free_port
+from specloop.storage.child_process import die_with_parent
+from specloop.storage.registry import CHAMPION, DrafterRegistry
 from tests.dflash_helpers import tiny_drafter, tiny_target
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

@@ -11,15 +11,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from daemon.retrain.policy import parse_policy
-from daemon.retrain.run_log import Outcome
-from daemon.retrain.service import RetrainDaemon
-from daemon.retrain.settings import DaemonSettings
-from engine.loaders.load import LoadedModel
-from engine.speculation.dflash import DFlashConfig, DFlashDrafter
-from engine.speculation.drafter_artifact import Lineage, save_drafter
-from storage.broker import EmbeddedBroker
-from storage.registry import CHAMPION, DrafterRegistry, Tag
+from specloop.daemon.retrain.policy import parse_policy
+from specloop.daemon.retrain.run_log import RunOutcome
+from specloop.daemon.retrain.service import RetrainDaemon
+from specloop.daemon.retrain.settings import DaemonSettings
+from specloop.engine.loaders.load import LoadedModel
+from specloop.engine.speculation.dflash import DFlashConfig, DFlashDrafter
+from specloop.engine.speculation.drafter_artifact import Lineage, save_drafter
+from specloop.storage.broker import EmbeddedBroker
+from specloop.storage.registry import CHAMPION, DrafterRegistry, Tag
 from tests.integration.conftest import ACME_KEY, registry_wiring, running_sink, serving
 from tests.integration.test_capture_pipeline import _rows
 from tests.integration.test_drafter_swap import Clients
@@ -81,7 +81,7 @@ def test_traces_to_a_promoted_drafter_the_engine_serves(broker: EmbeddedBroker, 
         with Clients(url, deep_loaded.name, count=3) as clients:
             report = daemon.tick()
             run = daemon.loop.runs.runs()[-1]
-            assert report.decision.train and run.outcome is Outcome.PROMOTED, run.detail
+            assert report.decision.train and run.outcome is RunOutcome.PROMOTED, run.detail
             deadline = time.monotonic() + 30
             while httpx.get(f"{url}/v1/models").json()["data"][0]["drafter_version"] != "v2":
                 assert time.monotonic() < deadline, "the engine did not swap to v2"

@@ -14,18 +14,18 @@ import httpx
 import pytest
 import torch
 
-from daemon.retrain import promotion
-from daemon.retrain.history import Action, PromotionHistory
-from daemon.retrain.live_tau import LiveTau
-from daemon.retrain.policy import Rollout
-from daemon.retrain.rollback import RolloutVerdict, Verdict
-from daemon.retrain.state_db import open_state
-from daemon.retrain.watch import Watch
-from daemon.shipped_drafters import SHIPPED, shipped_drafters
-from engine.loaders.load import LoadedModel
-from engine.server.settings import ServerSettings
-from engine.speculation.drafter_artifact import load_drafter, read_meta, save_drafter
-from storage.registry import CHAMPION, DrafterRegistry, Tag
+from specloop.daemon.retrain import promotion
+from specloop.daemon.retrain.history import Action, PromotionHistory
+from specloop.daemon.retrain.live_tau import LiveTau
+from specloop.daemon.retrain.policy import Rollout
+from specloop.daemon.retrain.rollback import RolloutDecision, RolloutVerdict
+from specloop.daemon.retrain.state_db import open_state
+from specloop.daemon.retrain.watch import Watch
+from specloop.daemon.shipped_drafters import SHIPPED, shipped_drafters
+from specloop.engine.loaders.load import LoadedModel
+from specloop.engine.server.settings import ServerSettings
+from specloop.engine.speculation.drafter_artifact import load_drafter, read_meta, save_drafter
+from specloop.storage.registry import CHAMPION, DrafterRegistry, Tag
 from tests.integration.conftest import consent_settings, serving
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
@@ -113,7 +113,7 @@ def test_a_bad_champion_is_rolled_back_by_the_daemon(smollm2: LoadedModel, tmp_p
             wait_until(lambda: serving_version(url) == "v1", 60)
     assert traffic.failures == [] and traffic.done > 0
     assert registry.champion(fp).version == v1.version
-    assert verdict.verdict is Verdict.ROLL_BACK and verdict.new.tau < 0.9 * verdict.baseline.tau
+    assert verdict.verdict is RolloutVerdict.ROLL_BACK and verdict.new.tau < 0.9 * verdict.baseline.tau
     event = history.last(fp)
     assert (event.action, event.version, event.previous) == (Action.ROLLED_BACK, "v2", "v1")
     assert "roll back: v2 τ" in event.reason and "vs v1 τ" in event.reason
@@ -125,7 +125,7 @@ def _window() -> tuple[datetime, datetime]:
     return now - timedelta(minutes=30), now
 
 
-def _rolled_back(watch: Watch) -> RolloutVerdict | None:
+def _rolled_back(watch: Watch) -> RolloutDecision | None:
     watch()
     verdict = watch.last_verdict
-    return verdict if verdict is not None and verdict.verdict is Verdict.ROLL_BACK else None
+    return verdict if verdict is not None and verdict.verdict is RolloutVerdict.ROLL_BACK else None

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from benchmarks.server_process import wait_ready
-from storage.broker import free_port
-from storage.layout import live_files
+from specloop.storage.broker import free_port
+from specloop.storage.layout import live_files
 from tests.integration.conftest import ACME_KEY, TENANTS_YAML
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

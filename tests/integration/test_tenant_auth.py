@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from engine.loaders.load import LoadedModel
+from specloop.engine.loaders.load import LoadedModel
 from tests.integration.conftest import ACME_KEY, CaptureStack, consent_settings, server_settings, serving
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]

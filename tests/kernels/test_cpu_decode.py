@@ -10,9 +10,9 @@ from types import ModuleType
 import pytest
 import torch
 
-import kernels.cpu_decode as cpu_decode
-from kernels.cpu_decode import load
-from kernels.cpu_features import CpuFeatures, Isa
+import specloop.kernels.cpu_decode as cpu_decode
+from specloop.kernels.cpu_decode import load
+from specloop.kernels.cpu_features import CpuFeatures, Isa
 
 
 @pytest.fixture
@@ -83,7 +83,7 @@ def test_a_failed_build_warns_and_leaves_the_eager_path(monkeypatch: pytest.Monk
         raise OSError("c++: not found")
 
     monkeypatch.setattr(cpu_decode, "compile_module", no_compiler)
-    with caplog.at_level(logging.WARNING, logger="kernels.cpu_decode"):
+    with caplog.at_level(logging.WARNING, logger="specloop.kernels.cpu_decode"):
         assert cpu_decode._build.__wrapped__(Isa.PORTABLE) is None
     assert "CPU decode kernels (portable) unavailable, using the eager path: c++: not found" in caplog.text
 
@@ -103,7 +103,7 @@ def test_a_build_killed_mid_compile_does_not_hang_the_next(tmp_path: Path, caplo
     build = tmp_path / "build"
     build.mkdir()
     (build / "lock").touch()  # what torch's builder leaves when its process is killed while compiling
-    with caplog.at_level(logging.WARNING, logger="kernels.cpu_decode"):
+    with caplog.at_level(logging.WARNING, logger="specloop.kernels.cpu_decode"):
         module = cpu_decode.compile_module("specloop_lock_probe", source, Isa.PORTABLE, build)
     assert module.__name__ == "specloop_lock_probe"
     assert "left by a kernel build that did not finish" in caplog.text

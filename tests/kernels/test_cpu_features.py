@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.cpu_features import FORCE_VARIABLE, CpuFeatures, Isa, choose, plan, runnable
+from specloop.kernels.cpu_features import FORCE_VARIABLE, CpuFeatures, Isa, choose, plan, runnable
 
 BASE = {"fpu", "sse", "sse2", "ssse3", "sse4_1", "sse4_2", "popcnt"}
 AVX2 = BASE | {"avx", "avx2", "fma", "f16c", "bmi2"}

@@ -6,9 +6,9 @@ from types import ModuleType
 import pytest
 import torch
 
-from kernels.cpu_decode import load
-from kernels.cpu_features import Isa
-from kernels.nvfp4 import NVFP4Weight, dequantize, quantize
+from specloop.kernels.cpu_decode import load
+from specloop.kernels.cpu_features import Isa
+from specloop.kernels.nvfp4 import NVFP4Weight, dequantize, quantize
 
 
 @pytest.fixture

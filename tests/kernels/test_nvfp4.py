@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from kernels.nvfp4 import (
+from specloop.kernels.nvfp4 import (
     E2M1_VALUES,
     NVFP4Weight,
     dequantize,

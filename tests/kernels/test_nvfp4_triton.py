@@ -1,8 +1,7 @@
 """The Triton NVFP4 matmul against the torch reference, `x.float() @ dequantize(q).T`: decode and
 verify row counts, N not a multiple of the N tile, K a multiple of 16 but not of the K tile, bf16
 and fp32 activations, bias, both split-K paths, exact decoding of every code and block scale, and
-the errors a caller can cause; and the arithmetic of the GPU benchmark (`benchmarks/nvfp4_gpu.py`),
-which cannot run here.
+and the errors a caller can cause. The GPU benchmark's arithmetic is tested in tests/test_benchmarks.py.
 
 Without a GPU the kernels run under Triton's interpreter, which has to be on before triton is first
 imported: triton's own helpers (`tl.zeros`, ...) are `triton.jit` functions, decorated as it loads,
@@ -22,10 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import nvfp4_gpu
-from kernels import nvfp4_triton
-from kernels.nvfp4 import NVFP4Weight, dequantize, quantize
-from kernels.nvfp4_triton import MAX_ROWS, nvfp4_linear, split_k
+from specloop.kernels import nvfp4_triton
+from specloop.kernels.nvfp4 import NVFP4Weight, dequantize, quantize
+from specloop.kernels.nvfp4_triton import MAX_ROWS, nvfp4_linear, split_k
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -177,25 +175,7 @@ def test_refuses_cpu_tensors_when_compiled() -> None:
 @pytest.mark.timeout(150)
 def test_under_the_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", __file__]
+    command = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest", __file__]
     run = subprocess.run(command, cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
                          timeout=140, check=False)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-
-
-def test_benchmark_arithmetic() -> None:
-    # SmolLM2's 1536 x 576: 1769472 bytes in bf16, 442368 of codes + 55296 of block scales in NVFP4
-    assert nvfp4_gpu.weight_bytes(1536, 576, "bf16") == 1769472
-    assert nvfp4_gpu.weight_bytes(1536, 576, "nvfp4") == 442368 + 55296
-    assert nvfp4_gpu.weight_bytes(1536, 576, "bf16") / nvfp4_gpu.weight_bytes(1536, 576, "nvfp4") == nvfp4_gpu.CEILING
-    assert nvfp4_gpu.fraction_of_ceiling(bf16_us=32.0, nvfp4_us=10.0) == pytest.approx(0.9)
-    assert nvfp4_gpu.flush_bytes(50 << 20) > 50 << 20
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the benchmark measures")
-def test_benchmark_skips_without_a_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(sys, "argv", ["nvfp4_gpu.py", "--out", str(tmp_path / "out.json")])
-    nvfp4_gpu.main()
-    assert capsys.readouterr().out.startswith("skip: no CUDA GPU")
-    assert not (tmp_path / "out.json").exists()

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from storage.broker import EmbeddedBroker, ensure_topics
-from storage.sink import SinkConfig, TraceSink
+from specloop.storage.broker import EmbeddedBroker, ensure_topics
+from specloop.storage.sink import SinkConfig, TraceSink
 
 
 @pytest.fixture

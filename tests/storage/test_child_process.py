@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="parent-death si
 
 PARENT = """
 import subprocess, sys
-from storage.child_process import die_with_parent
+from specloop.storage.child_process import die_with_parent
 preexec = die_with_parent() if sys.argv[1] == "guarded" else None
 child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], preexec_fn=preexec)
 print(child.pid, flush=True)

@@ -7,9 +7,9 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from storage.compaction import compact, finish_pending
-from storage.layout import hive_dir, live_files, sink_file_name, write_json_atomic, write_parquet_atomic
-from storage.schema import to_arrow
+from specloop.storage.compaction import compact, finish_pending
+from specloop.storage.layout import hive_dir, live_files, sink_file_name, write_json_atomic, write_parquet_atomic
+from specloop.storage.schema import to_arrow
 from tests.storage.traces import make_trace
 
 

@@ -9,9 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from storage.dataset import build_dataset
-from storage.layout import hive_dir, sink_file_name, write_parquet_atomic
-from storage.schema import Trace, to_arrow, trace_day
+from specloop.storage.dataset import build_dataset
+from specloop.storage.layout import hive_dir, sink_file_name, write_parquet_atomic
+from specloop.storage.schema import Trace, to_arrow, trace_day
 from tests.storage.traces import SUBJECT_A, SUBJECT_B, T0, make_trace
 
 AS_OF = datetime(2025, 4, 1, tzinfo=UTC)

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import duckdb
 
-from storage.erasure import erase_subject
-from storage.layout import hive_dir, live_files, sink_file_name, write_parquet_atomic
-from storage.schema import to_arrow
+from specloop.storage.erasure import erase_subject
+from specloop.storage.layout import hive_dir, live_files, sink_file_name, write_parquet_atomic
+from specloop.storage.schema import to_arrow
 from tests.storage.traces import SUBJECT_A, SUBJECT_B, T0, make_trace
 
 

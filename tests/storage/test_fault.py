@@ -1,7 +1,7 @@
 """The fault test: exactly N traces in Parquet although the sink is SIGKILLed again and again and
 the broker (tansu on S3 storage against moto) restarts once while traces are being produced.
 
-The sink runs as a real subprocess (`python -m daemon.cli sink`) with small batches, so it flushes
+The sink runs as a real subprocess (`python -m specloop.daemon.cli sink`) with small batches, so it flushes
 many times; a supervisor kills it at random moments (seeded), mostly shortly after it has started
 flushing, so kills land inside flushes, between a file write and its commit, and during group joins.
 At the end every trace_id appears exactly once in the raw files, with no duplicate rows.
@@ -9,7 +9,6 @@ At the end every trace_id appears exactly once in the raw files, with no duplica
 
 import random
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +16,8 @@ import duckdb
 import pytest
 from kafka import KafkaProducer
 
-from storage.broker import EmbeddedBroker, ensure_topics
+from specloop.daemon.child_command import specloop_command
+from specloop.storage.broker import EmbeddedBroker, ensure_topics
 from tests.storage.traces import make_trace
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]
@@ -33,12 +33,11 @@ class _Supervisor:
     """Keeps one sink subprocess alive and SIGKILLs it at random moments."""
 
     def __init__(self, broker: EmbeddedBroker, root: Path, log: Path, rng: random.Random) -> None:
-        self._command = [
-            sys.executable, "-m", "daemon.cli", "sink",
-            "--bootstrap-servers", broker.bootstrap_servers, "--root", str(root), "--topic", TOPIC,
+        self._command = specloop_command(
+            "sink", "--bootstrap-servers", broker.bootstrap_servers, "--root", str(root), "--topic", TOPIC,
             "--dead-letter-topic", f"{TOPIC}.dlq", "--flush-records", "150", "--flush-interval-s", "0.2",
             "--kafka-config", '{"session.timeout.ms": 3000, "heartbeat.interval.ms": 1000}',
-        ]  # fmt: skip
+        )  # fmt: skip
         self._log_path = log
         self._log = open(log, "ab")
         self._rng = rng
@@ -47,7 +46,7 @@ class _Supervisor:
         self.unexpected_exits: list[int] = []
 
     def _flushes(self) -> int:
-        return self._log_path.read_bytes().count(b"storage.sink INFO flushed")
+        return self._log_path.read_bytes().count(b"specloop.storage.sink INFO flushed")
 
     def ensure_running(self) -> None:
         if self.process is not None and self.process.poll() is not None:

@@ -5,8 +5,8 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from storage.broker import free_port
-from storage.producer import TraceProducer
+from specloop.storage.broker import free_port
+from specloop.storage.producer import TraceProducer
 from tests.storage.traces import make_trace
 
 pytestmark = pytest.mark.timeout(60)

@@ -15,8 +15,8 @@ import pytest
 from confluent_kafka import Producer
 from prometheus_client import CollectorRegistry
 
-from storage.layout import live_files
-from storage.sink import SinkConfig, TraceSink
+from specloop.storage.layout import live_files
+from specloop.storage.sink import SinkConfig, TraceSink
 from tests.storage.traces import make_trace
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]

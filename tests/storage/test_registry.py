@@ -21,10 +21,10 @@ import mlflow
 import pytest
 from mlflow import MlflowClient
 
-from engine.speculation import drafter_artifact
-from engine.speculation.drafter_artifact import Lineage, load_drafter, save_drafter
-from storage.broker import free_port
-from storage.registry import (
+from specloop.engine.speculation import drafter_artifact
+from specloop.engine.speculation.drafter_artifact import Lineage, load_drafter, save_drafter
+from specloop.storage.broker import free_port
+from specloop.storage.registry import (
     CHALLENGER,
     CHAMPION,
     CONFIG,

@@ -14,8 +14,8 @@ import pytest
 from kafka import KafkaProducer
 from prometheus_client import CollectorRegistry
 
-from storage.layout import live_files
-from storage.sink import SinkConfig, TraceSink
+from specloop.storage.layout import live_files
+from specloop.storage.sink import SinkConfig, TraceSink
 from tests.storage.traces import T0, make_trace
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]

@@ -6,7 +6,7 @@ from datetime import timedelta
 import pyarrow as pa
 import pytest
 
-from storage.schema import (
+from specloop.storage.schema import (
     ARROW_SCHEMA,
     Trace,
     TraceRejected,

@@ -16,10 +16,10 @@ from confluent_kafka import Producer
 from kafka import KafkaConsumer
 from prometheus_client import CollectorRegistry
 
-from storage.broker import EmbeddedBroker
-from storage.layout import live_files
-from storage.producer import TraceProducer
-from storage.sink import DLQ_REASON, DLQ_SOURCE, SinkConfig, TraceSink
+from specloop.storage.broker import EmbeddedBroker
+from specloop.storage.layout import live_files
+from specloop.storage.producer import TraceProducer
+from specloop.storage.sink import DLQ_REASON, DLQ_SOURCE, SinkConfig, TraceSink
 from tests.storage.traces import T0, make_trace
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]

@@ -4,7 +4,7 @@ import random
 import uuid
 from datetime import UTC, datetime, timedelta
 
-from storage.schema import Trace, TraceSampling, TraceSpecStats
+from specloop.storage.schema import Trace, TraceSampling, TraceSpecStats
 
 SUBJECT_A = "a" * 64
 SUBJECT_B = "b" * 64

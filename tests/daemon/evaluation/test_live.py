@@ -2,10 +2,10 @@
 
 import pytest
 
-from daemon.evaluation.live import generate_stats
-from daemon.evaluation.replay import replay
-from engine.speculation.dflash_proposer import DFlashProposer
-from engine.speculation.ngram import NgramProposer
+from specloop.daemon.evaluation.live import generate_stats
+from specloop.daemon.evaluation.replay import replay
+from specloop.engine.speculation.dflash_proposer import DFlashProposer
+from specloop.engine.speculation.ngram import NgramProposer
 from tests.dflash_helpers import greedy_outputs, tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.timeout(60)

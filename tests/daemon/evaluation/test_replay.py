@@ -6,13 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import daemon.evaluation.replay as replay_module
-from daemon.evaluation.replay import compare, replay
-from daemon.training.sequences import TokenSequence
-from engine.speculation.combined import CombinedProposer
-from engine.speculation.dflash_proposer import DFlashProposer
-from engine.speculation.ngram import NgramProposer
-from engine.speculation.proposer import StatelessProposer
+import specloop.daemon.evaluation.replay as replay_module
+from specloop.daemon.evaluation.replay import compare, replay
+from specloop.storage.sequences import TokenSequence
+from specloop.engine.speculation.combined import CombinedProposer
+from specloop.engine.speculation.dflash_proposer import DFlashProposer
+from specloop.engine.speculation.ngram import NgramProposer
+from specloop.engine.speculation.proposer import StatelessProposer
 from tests.dflash_helpers import greedy_outputs, tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.timeout(60)

@@ -10,18 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from consent.registry import ConsentRegistry
-from daemon.retrain.history import PromotionHistory
-from daemon.retrain.policy import parse_policy
-from daemon.retrain.run import Loop
-from daemon.retrain.run_log import RunLog
-from daemon.retrain.settings import DaemonSettings
-from daemon.retrain.state_db import open_state
-from engine.loaders.load import LoadedModel
-from engine.speculation.drafter_artifact import Lineage, save_drafter
-from storage.layout import hive_dir, sink_file_name, write_parquet_atomic
-from storage.registry import CHAMPION, DrafterRegistry
-from storage.schema import Trace, TraceSampling, TraceSpecStats, to_arrow, trace_day
+from specloop.consent.registry import ConsentRegistry
+from specloop.daemon.retrain.history import PromotionHistory
+from specloop.daemon.retrain.policy import parse_policy
+from specloop.daemon.retrain.run import Loop
+from specloop.daemon.retrain.run_log import RunLog
+from specloop.daemon.retrain.settings import DaemonSettings
+from specloop.daemon.retrain.state_db import open_state
+from specloop.engine.loaders.load import LoadedModel
+from specloop.engine.speculation.drafter_artifact import Lineage, save_drafter
+from specloop.storage.layout import hive_dir, sink_file_name, write_parquet_atomic
+from specloop.storage.registry import CHAMPION, DrafterRegistry
+from specloop.storage.schema import Trace, TraceSampling, TraceSpecStats, to_arrow, trace_day
 from tests.dflash_helpers import greedy_outputs, tiny_drafter
 
 TENANT = "acme"

@@ -13,34 +13,43 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from daemon.retrain.challenger import RunStopped, early_stopping_fraction, train_challenger, train_config
-from daemon.retrain.policy import Training
-from daemon.training import cli as training_cli
-from daemon.training.sequences import TokenSequence
-from engine.loaders.load import LoadedModel
-from engine.speculation.drafter_artifact import read_meta
+from specloop.daemon.retrain.challenger import RunStopped, early_stopping_fraction, train_challenger, train_config
+from specloop.daemon.retrain.policy import Training
+from specloop.daemon.training import cli as training_cli
+from specloop.daemon.training.config import TrainConfig
+from specloop.storage.sequences import TokenSequence
+from specloop.engine.loaders.load import LoadedModel
+from specloop.engine.speculation.drafter_artifact import read_meta
 from tests.dflash_helpers import greedy_outputs
 
 TRAINING = Training(max_steps=6, batch_size=2, anchors=8, block_size=4)
 
 
-def test_train_drafter_args_give_back_the_config(tmp_path: Path) -> None:
+def test_the_torchrun_child_gets_the_whole_config_from_its_file(tmp_path: Path) -> None:
     cfg = replace(train_config(TRAINING, tmp_path / "out", tmp_path / "champion", seed=7, dtype="bfloat16",
                                train_sequences=1000),
-                  num_layers=2, feature_dir=str(tmp_path / "features"))
+                  num_layers=2, feature_dir=str(tmp_path / "features"), grad_clip=0.5)  # grad_clip: no option
+    cfg.write(tmp_path / "config.json")
     parsed = []
 
     @training_cli._with_config_options
-    def probe(out: Annotated[Path, typer.Option()], **options: object) -> None:
-        parsed.append(training_cli._train_config(out, options))
+    def probe(out: Annotated[Path | None, typer.Option()] = None,
+              config: Annotated[Path | None, typer.Option()] = None, **options: object) -> None:
+        parsed.append(training_cli._train_config(out, config, options))
 
     app = typer.Typer()
     app.command()(probe)
-    run = CliRunner().invoke(app, training_cli.train_drafter_args(cfg))
+    run = CliRunner().invoke(app, ["--config", str(tmp_path / "config.json")])
     assert run.exit_code == 0, run.output
     assert parsed == [cfg]
-    with pytest.raises(ValueError, match="grad_clip is no train-drafter option"):
-        training_cli.train_drafter_args(replace(cfg, grad_clip=0.5))
+    run = CliRunner().invoke(app, ["--config", str(tmp_path / "config.json"), "--lr", "0.1"])
+    assert isinstance(run.exception, ValueError) and "leave out --out and ['lr']" in str(run.exception)
+
+
+def test_a_config_file_with_an_unknown_field_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"out_dir": "x", "learning_rate": 1}')
+    with pytest.raises(ValueError, match=r"unknown training config fields \['learning_rate'\]"):
+        TrainConfig.read(tmp_path / "config.json")
 
 
 def test_the_trainer_holds_out_traces_only_where_they_are_enough_to_choose_weights_by() -> None:
@@ -92,10 +101,11 @@ def test_a_stop_request_ends_every_process_promptly(deep_loaded: LoadedModel, tm
     cfg = train_config(TRAINING.model_copy(update={"max_steps": 100_000}), out, None, seed=0, dtype="float32",
                        train_sequences=16)
     asked: list[float] = []
+    scratch = str(tmp_path / "torchrun-")  # the config file's directory, on every process's command line
 
     def should_stop() -> str | None:
         # torchrun and both of its processes running: let them train a few seconds, then stop.
-        if len(processes_with(str(out))) >= 3 and not asked:
+        if len(processes_with(scratch)) >= 3 and not asked:
             asked.append(time.monotonic() + 3.0)
         return "lease lost" if asked and time.monotonic() >= asked[0] else None
 
@@ -104,4 +114,4 @@ def test_a_stop_request_ends_every_process_promptly(deep_loaded: LoadedModel, tm
                          threading.Event(), processes=2, model_source=deep_loaded.source)
     took = time.monotonic() - asked[0]
     assert took < 10.0, took
-    assert not processes_with(str(out))
+    assert not processes_with(scratch)

@@ -8,13 +8,13 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from daemon.retrain import cli
-from daemon.retrain.history import Action, PromotionHistory
-from daemon.retrain.promotion import await_approval, settle_approval
-from daemon.retrain.run_log import Outcome, RunLog
-from daemon.retrain.state_db import open_state
-from engine.speculation.drafter_artifact import Lineage, save_drafter
-from storage.registry import CHALLENGER, CHAMPION, Approval, DrafterRegistry, Tag
+from specloop.daemon.retrain import cli
+from specloop.daemon.retrain.history import Action, PromotionHistory
+from specloop.daemon.retrain.promotion import await_approval, settle_approval
+from specloop.daemon.retrain.run_log import RunOutcome, RunLog
+from specloop.daemon.retrain.state_db import open_state
+from specloop.engine.speculation.drafter_artifact import Lineage, save_drafter
+from specloop.storage.registry import CHALLENGER, CHAMPION, Approval, DrafterRegistry, Tag
 from tests.dflash_helpers import tiny_drafter, tiny_target
 
 FP = "00112233445566aa"
@@ -38,7 +38,7 @@ def waiting(tmp_path: Path) -> tuple[str, str]:
     v2 = registry.register(art, FP, {Tag.APPROVAL: Approval.PENDING, Tag.RUN: "r1"})
     runs = RunLog(db)
     runs.start("r1", FP, datetime.now(UTC))
-    runs.finish("r1", Outcome.AWAITING_APPROVAL, "v2 awaits approval", {"train": 10.0})
+    runs.finish("r1", RunOutcome.AWAITING_APPROVAL, "v2 awaits approval", {"train": 10.0})
     await_approval(registry, PromotionHistory(db), v2, "passed; the policy requires approval", run_id="r1")
     return uri, state
 

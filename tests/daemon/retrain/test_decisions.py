@@ -2,9 +2,9 @@
 
 from datetime import UTC, datetime, timedelta
 
-from daemon.retrain.gate import Verdict, decide
-from daemon.retrain.policy import Gate, parse_policy
-from daemon.retrain.triggers import Situation, decide_tick
+from specloop.daemon.retrain.gate import GateVerdict, decide
+from specloop.daemon.retrain.policy import Gate, parse_policy
+from specloop.daemon.retrain.triggers import Situation, decide_tick
 
 FP, OTHER = "0123456789abcdef", "fedcba9876543210"
 NOW = datetime(2026, 12, 1, 12, tzinfo=UTC)
@@ -18,21 +18,21 @@ def gate(tau_challenger: float, tau_champion: float, gain: float = 0.05, approva
 
 
 def test_a_worse_or_barely_better_challenger_is_refused() -> None:
-    assert gate(2.0, 2.5).verdict is Verdict.REFUSE
+    assert gate(2.0, 2.5).verdict is GateVerdict.REFUSE
     barely = gate(2.09, 2.0)  # +4.5%, 5% needed
-    assert barely.verdict is Verdict.REFUSE and "below the 5.0% required gain" in barely.reason
+    assert barely.verdict is GateVerdict.REFUSE and "below the 5.0% required gain" in barely.reason
     assert "τ 2.090 vs v3 2.000 (+4.5%) on 40 held-out traces" in barely.reason
 
 
 def test_a_better_challenger_is_promoted_or_waits_for_approval() -> None:
-    assert gate(2.2, 2.0).verdict is Verdict.PROMOTE
+    assert gate(2.2, 2.0).verdict is GateVerdict.PROMOTE
     waiting = gate(2.2, 2.0, approval=True)
-    assert waiting.verdict is Verdict.AWAIT_APPROVAL and waiting.passed
+    assert waiting.verdict is GateVerdict.AWAIT_APPROVAL and waiting.passed
 
 
 def test_a_base_model_mismatch_is_refused_whatever_the_tau() -> None:
     refused = gate(4.0, 1.5, challenger_fp=OTHER)
-    assert refused.verdict is Verdict.REFUSE and "base model mismatch" in refused.reason and OTHER in refused.reason
+    assert refused.verdict is GateVerdict.REFUSE and "base model mismatch" in refused.reason and OTHER in refused.reason
 
 
 POLICY = parse_policy("""

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from fastapi import FastAPI, Response
 
-from daemon.retrain.live_tau import EngineSample, EngineUnreachable, LiveTau, VersionCounters, scrape
-from daemon.retrain.state_db import open_state
-from engine.runtime.llm_engine import EngineStats
-from engine.runtime.sequence import SpecStats
-from engine.server.metrics import CONTENT_TYPE, ServerMetrics
+from specloop.daemon.retrain.live_tau import EngineSample, EngineUnreachable, LiveTau, VersionCounters, scrape
+from specloop.daemon.retrain.state_db import open_state
+from specloop.engine.runtime.llm_engine import EngineStats
+from specloop.engine.runtime.sequence import SpecStats
+from specloop.engine.server.metrics import CONTENT_TYPE, ServerMetrics
 from tests.server_thread import serve_in_thread
 
 pytestmark = pytest.mark.timeout(60)

@@ -7,10 +7,11 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from daemon.retrain import cli
-from daemon.retrain.policy import PolicyError, RetrainPolicy, load_policy, parse_policy
+from specloop.daemon.retrain import cli
+from specloop.daemon.stack import POLICIES
+from specloop.daemon.retrain.policy import PolicyError, RetrainPolicy, load_policy, parse_policy
 
-EXAMPLES = sorted((Path(__file__).parents[3] / "deploy" / "policies").glob("*.yaml"))
+EXAMPLES = sorted(POLICIES.glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)

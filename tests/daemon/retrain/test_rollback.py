@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon.retrain.live_tau import EngineSample, LiveTau, VersionCounters
-from daemon.retrain.rollback import Promotion, RolloutVerdict, Verdict, judge_rollout
-from daemon.retrain.state_db import open_state
+from specloop.daemon.retrain.live_tau import EngineSample, LiveTau, VersionCounters
+from specloop.daemon.retrain.rollback import Promotion, RolloutDecision, RolloutVerdict, judge_rollout
+from specloop.daemon.retrain.state_db import open_state
 
 PROMOTED_AT = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
 ENGINE = "http://engine-1:8000"
@@ -55,7 +55,7 @@ def traffic(tmp_path: Path) -> Traffic:
 
 
 def judge(traffic: Traffic, at_min: float, promotion: Promotion = PROMOTION,
-          rollout: Rollout = ROLLOUT) -> RolloutVerdict:
+          rollout: Rollout = ROLLOUT) -> RolloutDecision:
     return judge_rollout(promotion, rollout, traffic.live, now=minutes(at_min))
 
 
@@ -63,7 +63,7 @@ def test_too_few_verify_steps_keeps_watching(traffic: Traffic) -> None:
     traffic.serve("v3", tau=3.0, steps_per_min=20, from_min=-30, to_min=0)
     traffic.serve("v4", tau=1.2, steps_per_min=20, from_min=0, to_min=4)
     v = judge(traffic, 4)
-    assert v.verdict is Verdict.WATCH and not v.final
+    assert v.verdict is RolloutVerdict.WATCH and not v.final
     assert v.new.drafts == 80 and v.baseline.drafts == 600
     assert "80 of 100 verify steps" in v.reason
 
@@ -72,7 +72,7 @@ def test_a_fall_below_the_floor_rolls_back_before_the_window_ends(traffic: Traff
     traffic.serve("v3", tau=3.0, steps_per_min=20, from_min=-30, to_min=0)
     traffic.serve("v4", tau=2.5, steps_per_min=20, from_min=0, to_min=10)
     v = judge(traffic, 10)
-    assert v.verdict is Verdict.ROLL_BACK and v.final
+    assert v.verdict is RolloutVerdict.ROLL_BACK and v.final
     assert v.new.tau == pytest.approx(2.5) and v.baseline.tau == pytest.approx(3.0)
     for words in ("v4 τ 2.500 over 200 verify steps", "v3 τ 3.000 over 600 verify steps", "2.700"):
         assert words in v.reason
@@ -82,16 +82,16 @@ def test_holding_tau_keeps_watching_until_the_window_ends_then_passes(traffic: T
     traffic.serve("v3", tau=3.0, steps_per_min=20, from_min=-30, to_min=0)
     traffic.serve("v4", tau=2.8, steps_per_min=20, from_min=0, to_min=31)
     watching = judge(traffic, 10)
-    assert watching.verdict is Verdict.WATCH and "holding so far" in watching.reason
+    assert watching.verdict is RolloutVerdict.WATCH and "holding so far" in watching.reason
     passed = judge(traffic, 30)
-    assert passed.verdict is Verdict.PASSED and passed.final
+    assert passed.verdict is RolloutVerdict.PASSED and passed.final
     assert passed.new.drafts == 600 and "v4 τ 2.800" in passed.reason and "v3 τ 3.000" in passed.reason
 
 
 def test_tau_exactly_at_the_floor_is_kept(traffic: Traffic) -> None:
     traffic.serve("v3", tau=3.0, steps_per_min=100, from_min=-30, to_min=0)
     traffic.serve("v4", tau=1.5, steps_per_min=100, from_min=0, to_min=30)
-    assert judge(traffic, 30, rollout=Rollout(rollback_below=0.5)).verdict is Verdict.PASSED
+    assert judge(traffic, 30, rollout=Rollout(rollback_below=0.5)).verdict is RolloutVerdict.PASSED
 
 
 def test_the_baseline_is_only_the_watch_window_before_the_promotion(traffic: Traffic) -> None:
@@ -100,17 +100,17 @@ def test_the_baseline_is_only_the_watch_window_before_the_promotion(traffic: Tra
     traffic.serve("v4", tau=2.0, steps_per_min=20, from_min=0, to_min=30)
     v = judge(traffic, 30)
     assert v.baseline.tau == pytest.approx(2.0) and v.baseline.drafts == 600
-    assert v.verdict is Verdict.PASSED
+    assert v.verdict is RolloutVerdict.PASSED
 
 
 def test_without_a_baseline_it_watches_then_passes_without_a_comparison(traffic: Traffic) -> None:
     traffic.serve("v4", tau=1.1, steps_per_min=20, from_min=0, to_min=30)
     watching = judge(traffic, 10)
-    assert watching.verdict is Verdict.WATCH and watching.baseline is None
+    assert watching.verdict is RolloutVerdict.WATCH and watching.baseline is None
     assert "no baseline: v3 ran 0 of 100 verify steps" in watching.reason
     assert "passes when the window ends" in watching.reason
     done = judge(traffic, 30)
-    assert done.verdict is Verdict.NO_BASELINE and done.final
+    assert done.verdict is RolloutVerdict.NO_BASELINE and done.final
     assert "passed without a comparison" in done.reason and "v4 τ 1.100 over 600" in done.reason
 
 
@@ -118,7 +118,7 @@ def test_a_baseline_with_too_few_steps_is_no_baseline(traffic: Traffic) -> None:
     traffic.serve("v3", tau=3.0, steps_per_min=2, from_min=-30, to_min=0)
     traffic.serve("v4", tau=1.1, steps_per_min=20, from_min=0, to_min=30)
     v = judge(traffic, 30)
-    assert v.verdict is Verdict.NO_BASELINE and v.baseline is None
+    assert v.verdict is RolloutVerdict.NO_BASELINE and v.baseline is None
     assert "v3 ran 60 of 100 verify steps" in v.reason
 
 
@@ -126,14 +126,14 @@ def test_after_the_window_too_few_steps_still_watches(traffic: Traffic) -> None:
     traffic.serve("v3", tau=3.0, steps_per_min=20, from_min=-30, to_min=0)
     traffic.serve("v4", tau=3.0, steps_per_min=1, from_min=0, to_min=45)
     v = judge(traffic, 45)
-    assert v.verdict is Verdict.WATCH and "45 of 100 verify steps" in v.reason
+    assert v.verdict is RolloutVerdict.WATCH and "45 of 100 verify steps" in v.reason
 
 
 def test_the_previous_version_may_be_ngram_lookup(traffic: Traffic) -> None:
     traffic.serve("none", tau=1.5, steps_per_min=20, from_min=-30, to_min=0)
     traffic.serve("v1", tau=1.2, steps_per_min=20, from_min=0, to_min=10)
     v = judge(traffic, 10, promotion=Promotion("v1", "none", PROMOTED_AT))
-    assert v.verdict is Verdict.ROLL_BACK and "none τ 1.500" in v.reason
+    assert v.verdict is RolloutVerdict.ROLL_BACK and "none τ 1.500" in v.reason
 
 
 def test_bad_arguments_are_value_errors(traffic: Traffic) -> None:

@@ -7,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from daemon.retrain.history import Action
-from daemon.retrain.run import Loop, RetrainRun, new_run_id, resume_promotion
-from daemon.retrain.run_log import Outcome
-from storage.registry import CHALLENGER, Approval, DrafterRegistry, RegistryUnavailable, Tag
+from specloop.daemon.retrain.history import Action
+from specloop.daemon.retrain.run import Loop, RetrainRun, new_run_id, resume_promotion
+from specloop.daemon.retrain.run_log import RunOutcome
+from specloop.storage.registry import CHALLENGER, Approval, DrafterRegistry, RegistryUnavailable, Tag
 from tests.daemon.retrain.conftest import FAST_POLICY, seed_champion, store_traces
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def run(loop: Loop, **kw: object) -> tuple[str, Outcome]:
+def run(loop: Loop, **kw: object) -> tuple[str, RunOutcome]:
     run_id = new_run_id()
     return run_id, RetrainRun(loop, run_id, threading.Event(), **kw).execute()
 
@@ -28,7 +28,7 @@ def test_a_run_registers_a_fully_tagged_version_and_promotes_it(make_loop: Calla
     seed_champion(loop, tmp_path)
     run_id, outcome = run(loop)
     record = loop.runs.runs()[-1]
-    assert outcome is Outcome.PROMOTED, record.detail
+    assert outcome is RunOutcome.PROMOTED, record.detail
     assert list(record.timings) == ["dataset", "champion", "train", "evaluate", "register", "promote"]
     v = loop.registry.champion(loop.base_model)
     assert v.version == "2" and record.version == "2"
@@ -55,7 +55,7 @@ def test_a_challenger_below_the_gain_is_refused_and_champion_stays(make_loop: Ca
     store_traces(loop.settings.traces_root, loop.target, consent_id, 48)
     seed_champion(loop, tmp_path)
     _, outcome = run(loop)
-    assert outcome is Outcome.REFUSED
+    assert outcome is RunOutcome.REFUSED
     assert loop.registry.champion(loop.base_model).version == "1"
     refused = loop.registry.version(loop.base_model, "2")
     assert refused.tags[Tag.GATE] == "refuse" and "below the 10000.0% required gain" in refused.tags[Tag.GATE_REASON]
@@ -64,13 +64,13 @@ def test_a_challenger_below_the_gain_is_refused_and_champion_stays(make_loop: Ca
 
 def test_with_approval_required_it_waits_then_a_rejection_is_never_promoted(
         make_loop: Callable[..., Loop], consent_id: str, tmp_path: Path) -> None:
-    from daemon.retrain.promotion import settle_approval
+    from specloop.daemon.retrain.promotion import settle_approval
 
     loop = make_loop(FAST_POLICY.replace("min_relative_gain: 0.0", "min_relative_gain: 0.0, require_approval: true"))
     store_traces(loop.settings.traces_root, loop.target, consent_id, 48)
     seed_champion(loop, tmp_path)
     _, outcome = run(loop)
-    assert outcome is Outcome.AWAITING_APPROVAL
+    assert outcome is RunOutcome.AWAITING_APPROVAL
     waiting = loop.registry.by_alias(loop.base_model, CHALLENGER)
     assert waiting.version == "2" and waiting.approval is Approval.PENDING
     assert settle_approval(loop.registry, loop.history, loop.base_model) is None  # still pending
@@ -83,7 +83,7 @@ def test_with_approval_required_it_waits_then_a_rejection_is_never_promoted(
 
 
 def test_an_approved_challenger_is_promoted(make_loop: Callable[..., Loop], consent_id: str, tmp_path: Path) -> None:
-    from daemon.retrain.promotion import settle_approval
+    from specloop.daemon.retrain.promotion import settle_approval
 
     loop = make_loop(FAST_POLICY.replace("min_relative_gain: 0.0", "min_relative_gain: 0.0, require_approval: true"))
     store_traces(loop.settings.traces_root, loop.target, consent_id, 48)
@@ -111,13 +111,13 @@ def test_too_few_traces_skips_without_training(make_loop: Callable[..., Loop], c
     store_traces(loop.settings.traces_root, loop.target, consent_id, 6)
     _, outcome = run(loop)
     record = loop.runs.runs()[-1]
-    assert outcome is Outcome.SKIPPED and "the policy needs 10" in record.detail
+    assert outcome is RunOutcome.SKIPPED and "the policy needs 10" in record.detail
     assert loop.registry.versions(loop.base_model) == []
 
 
 def test_no_traces_at_all_skips(make_loop: Callable[..., Loop]) -> None:
     _, outcome = run(make_loop())
-    assert outcome is Outcome.SKIPPED
+    assert outcome is RunOutcome.SKIPPED
 
 
 def test_mlflow_down_fails_the_run_cleanly(make_loop: Callable[..., Loop], consent_id: str) -> None:
@@ -126,7 +126,7 @@ def test_mlflow_down_fails_the_run_cleanly(make_loop: Callable[..., Loop], conse
     store_traces(loop.settings.traces_root, loop.target, consent_id, 48)
     _, outcome = run(loop)
     record = loop.runs.runs()[-1]
-    assert outcome is Outcome.FAILED and record.detail.startswith("MLflow"), record.detail
+    assert outcome is RunOutcome.FAILED and record.detail.startswith("MLflow"), record.detail
     assert loop.history.events() == []
 
 
@@ -136,13 +136,13 @@ def test_a_stop_during_training_abandons_the_run_and_registers_nothing(make_loop
     store_traces(loop.settings.traces_root, loop.target, consent_id, 48)
     _, outcome = run(loop, should_stop=lambda: "lease lost")
     record = loop.runs.runs()[-1]
-    assert outcome is Outcome.ABANDONED and "lease lost" in record.detail and record.step == "train"
+    assert outcome is RunOutcome.ABANDONED and "lease lost" in record.detail and record.step == "train"
     assert loop.registry.versions(loop.base_model) == []
 
 
 def test_a_run_killed_after_registering_is_promoted_on_restart(make_loop: Callable[..., Loop], consent_id: str,
                                                                tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from daemon.retrain import run as run_module
+    from specloop.daemon.retrain import run as run_module
 
     loop = make_loop()
     store_traces(loop.settings.traces_root, loop.target, consent_id, 48)
@@ -156,12 +156,12 @@ def test_a_run_killed_after_registering_is_promoted_on_restart(make_loop: Callab
     with pytest.raises(SystemExit):
         RetrainRun(loop, run_id, threading.Event()).execute()
     monkeypatch.undo()
-    assert loop.runs.runs()[-1].outcome is Outcome.RUNNING and loop.runs.runs()[-1].version == "2"
+    assert loop.runs.runs()[-1].outcome is RunOutcome.RUNNING and loop.runs.runs()[-1].version == "2"
     assert loop.registry.champion(loop.base_model).version == "1"
     assert resume_promotion(loop) == [run_id]
     assert loop.registry.champion(loop.base_model).version == "2"
     record = loop.runs.runs()[-1]
-    assert record.outcome is Outcome.PROMOTED and record.detail.startswith("resumed after a restart")
+    assert record.outcome is RunOutcome.PROMOTED and record.detail.startswith("resumed after a restart")
 
 
 def test_unfinished_runs_before_register_are_abandoned_on_restart(make_loop: Callable[..., Loop]) -> None:
@@ -171,7 +171,7 @@ def test_unfinished_runs_before_register_are_abandoned_on_restart(make_loop: Cal
     loop.runs.step("r-dead", "train", {"dataset": 1.0})
     assert resume_promotion(loop) == []
     record = loop.runs.runs()[-1]
-    assert record.outcome is Outcome.ABANDONED and "at step train" in record.detail
+    assert record.outcome is RunOutcome.ABANDONED and "at step train" in record.detail
 
 
 def test_registry_unavailable_is_what_a_dead_server_raises() -> None:
@@ -188,7 +188,7 @@ def test_a_new_base_model_bootstraps_from_the_old_models_prompts(make_loop: Call
     store_traces(loop.settings.traces_root, loop.target, consent_id, 48, base_model=OLD_MODEL)
     run_id, outcome = run(loop)
     record = loop.runs.runs()[-1]
-    assert outcome in (Outcome.PROMOTED, Outcome.REFUSED), record.detail
+    assert outcome in (RunOutcome.PROMOTED, RunOutcome.REFUSED), record.detail
     (v,) = loop.registry.versions(loop.base_model)
     assert v.tags[Tag.BOOTSTRAP_FROM] == OLD_MODEL and v.base_model == loop.base_model
     assert loop.registry.versions(OLD_MODEL) == []  # the old model's registered model is untouched
@@ -200,7 +200,7 @@ def test_no_bootstrap_when_the_policy_says_no_or_a_champion_exists(make_loop: Ca
     loop = make_loop(FAST_POLICY.replace("data: {min_traces: 10}",
                                          "data: {min_traces: 10, bootstrap_from_other_models: false}"))
     store_traces(loop.settings.traces_root, loop.target, consent_id, 48, base_model=OLD_MODEL)
-    assert run(loop)[1] is Outcome.SKIPPED
+    assert run(loop)[1] is RunOutcome.SKIPPED
     with_champion = make_loop()
     seed_champion(with_champion, tmp_path)
-    assert run(with_champion)[1] is Outcome.SKIPPED
+    assert run(with_champion)[1] is RunOutcome.SKIPPED

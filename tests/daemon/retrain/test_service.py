@@ -12,11 +12,11 @@ import httpx
 import pytest
 from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 
-from daemon.retrain.http import daemon_app
-from daemon.retrain.run import Loop
-from daemon.retrain.run_log import Outcome
-from daemon.retrain.service import RetrainDaemon
-from daemon.retrain.status import next_tick, tick_job_id
+from specloop.daemon.retrain.http import daemon_app
+from specloop.daemon.retrain.run import Loop
+from specloop.daemon.retrain.run_log import RunOutcome
+from specloop.daemon.retrain.service import RetrainDaemon
+from specloop.daemon.retrain.status import next_tick, tick_job_id
 from tests.daemon.retrain.conftest import FAST_POLICY, seed_champion, store_traces
 from tests.server_thread import serve_in_thread
 
@@ -62,7 +62,7 @@ def test_the_tick_job_survives_a_restart_and_a_missed_tick_runs_once(make_loop: 
         assert report.decision.train and report.run_id is not None
         assert restarted.next_tick() > datetime.now(UTC) + timedelta(minutes=58)  # rescheduled, not run again
         runs = restarted.loop.runs.runs()
-        assert len(runs) == 1 and runs[0].outcome in (Outcome.PROMOTED, Outcome.REFUSED), runs[0].detail
+        assert len(runs) == 1 and runs[0].outcome in (RunOutcome.PROMOTED, RunOutcome.REFUSED), runs[0].detail
     finally:
         restarted.shutdown()
 
@@ -81,7 +81,7 @@ def test_shutdown_during_a_scheduled_run_abandons_it_and_returns(make_loop: Call
     stopping.join(60)
     assert not stopping.is_alive(), "shutdown() did not return while a scheduled run was stopping"
     runs = daemon.loop.runs.runs()
-    assert len(runs) == 1 and runs[0].outcome == Outcome.ABANDONED, runs
+    assert len(runs) == 1 and runs[0].outcome == RunOutcome.ABANDONED, runs
     assert daemon.tick().decision.reason == "the daemon is stopping"
 
 

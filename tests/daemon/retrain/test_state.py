@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from daemon.retrain.history import Action, PromotionHistory
-from daemon.retrain.lease import Lease, LeaseHeld
-from daemon.retrain.run_log import Outcome, RunLog
-from daemon.retrain.state_db import open_state
+from specloop.daemon.retrain.history import Action, PromotionHistory
+from specloop.daemon.retrain.lease import Lease, LeaseHeld
+from specloop.daemon.retrain.run_log import RunOutcome, RunLog
+from specloop.daemon.retrain.state_db import open_state
 
 
 @pytest.fixture
@@ -86,14 +86,14 @@ def test_run_log_steps_finish_and_abandon(url: str) -> None:
     now = datetime.now(UTC)
     runs.start("r1", "fp", now)
     runs.step("r1", "train", {"dataset": 1.5})
-    runs.finish("r1", Outcome.REFUSED, "worse", {"dataset": 1.5, "train": 60.0})
+    runs.finish("r1", RunOutcome.REFUSED, "worse", {"dataset": 1.5, "train": 60.0})
     runs.start("r2", "fp", now)
     runs.step("r2", "evaluate", {"dataset": 1.0})
     assert runs.last_trained("fp").run_id == "r1" and runs.last_trained("fp").data_until == now
     (abandoned,) = runs.abandon_unfinished("fp", "daemon died")
     assert abandoned.run_id == "r2"
     record = runs.runs("fp")[-1]
-    assert record.outcome is Outcome.ABANDONED and record.detail == "daemon died (it was at step evaluate)"
+    assert record.outcome is RunOutcome.ABANDONED and record.detail == "daemon died (it was at step evaluate)"
     assert runs.last_trained("fp").run_id == "r1"
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon.retrain.live_tau import EngineSample, LiveTau, TauPoint, VersionCounters
-from daemon.retrain.state_db import open_state
-from daemon.retrain.tau_plot import plot_live_tau
+from specloop.daemon.retrain.live_tau import EngineSample, LiveTau, TauPoint, VersionCounters
+from specloop.daemon.retrain.state_db import open_state
+from specloop.daemon.retrain.tau_plot import plot_live_tau
 
 T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -10,12 +10,12 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from daemon.cli import app as specloop
-from daemon.training import cli as training_cli
-from daemon.training.sequences import TokenSequence, write_jsonl
-from engine.loaders.load import LoadedModel, load_model
-from engine.loaders.weight_format import WeightFormat
-from engine.speculation.drafter_artifact import read_meta
+from specloop.daemon.cli import app as specloop
+from specloop.daemon.training import cli as training_cli
+from specloop.storage.sequences import TokenSequence, write_jsonl
+from specloop.engine.loaders.load import LoadedModel, load_model
+from specloop.engine.loaders.weight_format import WeightFormat
+from specloop.engine.speculation.drafter_artifact import read_meta
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -56,8 +56,8 @@ def test_train_then_eval_on_smollm2(app: typer.Typer, smollm2: LoadedModel, tmp_
 
 @pytest.mark.integration
 def test_eval_refuses_a_drafter_for_another_model(app: typer.Typer, smollm2: LoadedModel, tmp_path: Path) -> None:
-    from engine.speculation.dflash import DFlashConfig, DFlashDrafter
-    from engine.speculation.drafter_artifact import Lineage, save_drafter
+    from specloop.engine.speculation.dflash import DFlashConfig, DFlashDrafter
+    from specloop.engine.speculation.drafter_artifact import Lineage, save_drafter
 
     save_drafter(tmp_path / "other", DFlashDrafter(DFlashConfig.for_target(smollm2.model.config, block_size=4)),
                  "0000000000000000", Lineage("d", 0, 0))

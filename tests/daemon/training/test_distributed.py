@@ -13,13 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from daemon.training import distributed
-from daemon.training.checkpoint import CHECKPOINT
-from daemon.training.sequences import write_jsonl
-from daemon.training.trainer import Trainer
-from engine.loaders.load import load_model
-from engine.loaders.weight_format import DENSE
-from engine.speculation.drafter_artifact import CONFIG, WEIGHTS, read_meta
+from specloop.daemon.child_command import SAFE_PATH_ENV
+from specloop.daemon.training import distributed
+from specloop.daemon.training.checkpoint import CHECKPOINT
+from specloop.storage.sequences import write_jsonl
+from specloop.daemon.training.trainer import Trainer
+from specloop.engine.loaders.load import load_model
+from specloop.engine.loaders.weight_format import DENSE
+from specloop.engine.speculation.drafter_artifact import CONFIG, WEIGHTS, read_meta
 from tests.daemon.training.test_trainer import config, cycling
 from tests.dflash_helpers import greedy_outputs, tiny_target
 
@@ -73,8 +74,8 @@ def data(deep_model: Path, tmp_path: Path) -> Path:
 def train_drafter(launcher: list[str], data: Path, model: Path, out: Path) -> subprocess.CompletedProcess:
     # One thread per process, as torchrun sets for several: the single-process run then matches
     # this test process's own (conftest's torch.set_num_threads(1)) bit for bit.
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [*launcher, "-m", "daemon.cli", "train-drafter", "--data", str(data), "--out", str(out),
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **SAFE_PATH_ENV}
+    command = [*launcher, "-m", "specloop.daemon.cli", "train-drafter", "--data", str(data), "--out", str(out),
                "--model", str(model), *TRAIN]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
                           check=False)
@@ -99,9 +100,9 @@ def test_two_processes_train_one_drafter(data: Path, deep_model: Path, tmp_path:
 
 @pytest.mark.timeout(300)
 def test_one_process_without_torchrun_is_the_trainers_own_run(data: Path, deep_model: Path, tmp_path: Path) -> None:
-    from daemon.training import cli as training_cli
-    from daemon.training.config import TrainConfig
-    from daemon.training.sequences import read_sequences
+    from specloop.daemon.training import cli as training_cli
+    from specloop.daemon.training.config import TrainConfig
+    from specloop.storage.sequences import read_sequences
 
     run = train_drafter([sys.executable], data, deep_model, tmp_path / "cli")
     assert run.returncode == 0, run.stderr

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.training.feature_store import FeatureStore
+from specloop.daemon.training.feature_store import FeatureStore
 
 
 def features(seed: int) -> list[torch.Tensor]:
@@ -59,7 +59,7 @@ def test_unwritable_directory_stops_writing_not_training(tmp_path: Path, monkeyp
     def full_disk(*args: object, **kwargs: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("daemon.training.feature_store.save_file", full_disk)
+    monkeypatch.setattr("specloop.daemon.training.feature_store.save_file", full_disk)
     store.put(store.key([1]), features(0))
     assert not store.writable and len(store) == 1 and not list(tmp_path.iterdir())
     assert store.can_store()  # memory still has room

@@ -2,8 +2,8 @@
 
 import torch
 
-from daemon.training.objective import Batch, position_weights
-from daemon.training.sequences import TokenSequence
+from specloop.daemon.training.objective import Batch, position_weights
+from specloop.storage.sequences import TokenSequence
 
 
 def test_position_weights_decay_after_the_anchor() -> None:

@@ -6,13 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.training.config import TrainConfig
-from daemon.training.objective import Batch, block_labels, sample_anchors
-from daemon.training.optimizer_step import lr_factor
-from daemon.training.sequences import TokenSequence
-from daemon.training.trainer import Trainer
-from engine.speculation.dflash_proposer import DFlashProposer
-from engine.speculation.drafter_artifact import load_drafter, read_meta
+from specloop.daemon.training.config import TrainConfig
+from specloop.daemon.training.objective import Batch, block_labels, sample_anchors
+from specloop.daemon.training.optimizer_step import lr_factor
+from specloop.storage.sequences import TokenSequence
+from specloop.daemon.training.trainer import Trainer
+from specloop.engine.speculation.dflash_proposer import DFlashProposer
+from specloop.engine.speculation.drafter_artifact import load_drafter, read_meta
 from tests.dflash_helpers import tiny_target
 
 pytestmark = pytest.mark.timeout(120)
@@ -263,9 +263,9 @@ def test_epochs_are_permutations_in_batches_of_similar_length(tmp_path: Path) ->
 
 
 def test_each_evaluation_is_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("INFO", logger="daemon.training.evaluation"):
+    with caplog.at_level("INFO", logger="specloop.daemon.training.heldout"):
         Trainer(config(tmp_path, max_steps=20, eval_tau=True), tiny_target(), "fp", cycling(20)).run()
-    lines = [r.getMessage() for r in caplog.records if r.name == "daemon.training.evaluation"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "specloop.daemon.training.heldout"]
     assert [line.split(" (")[0] for line in lines] == ["step 10", "step 20"]
     assert all("held-out loss" in line and "tau" in line for line in lines)
 
@@ -295,7 +295,7 @@ def test_a_later_run_reads_features_from_disk_instead_of_running_the_target(tmp_
     first.advance(4)
     assert len(list((tmp_path / "features").glob("*.safetensors"))) == 8
 
-    import daemon.training.target_features as target_features
+    import specloop.daemon.training.target_features as target_features
     passes = []
     real = target_features.target_features
     monkeypatch.setattr(target_features, "target_features", lambda *a, **kw: passes.append(1) or real(*a, **kw))

@@ -16,18 +16,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.cpu.fused_decode import MAX_ROWS, FusedDecoder, FusedDrafter, supports
-from engine.cpu.linear import optimize_for_cpu_inference
-from engine.loaders.load import load_model
-from engine.model.config import ModelConfig
-from engine.model.transformer import Transformer
-from engine.runtime.kv_cache import AttnBatch, KVCache
-from engine.runtime.llm_engine import EngineConfig, LLMEngine
-from engine.runtime.sampler import SamplingParams
-from engine.speculation.dflash import DFlashDrafter
-from engine.speculation.dflash_proposer import DFlashProposer
-from engine.speculation.ngram import NgramProposer
-from kernels.cpu_decode import cpu_plan
+from specloop.engine.cpu.fused_decode import MAX_ROWS, FusedDecoder, FusedDrafter, supports
+from specloop.engine.cpu.linear import optimize_for_cpu_inference
+from specloop.engine.loaders.load import load_model
+from specloop.engine.model.config import ModelConfig
+from specloop.engine.model.transformer import Transformer
+from specloop.engine.model.kv_cache import AttnBatch, KVCache
+from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from specloop.engine.runtime.sampler import SamplingParams
+from specloop.engine.speculation.dflash import DFlashDrafter
+from specloop.engine.speculation.dflash_proposer import DFlashProposer
+from specloop.engine.speculation.ngram import NgramProposer
+from specloop.kernels.cpu_decode import cpu_plan
 from tests.dflash_helpers import tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.usefixtures("kernel_isa")

@@ -9,20 +9,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.cpu.fused_decode import supports
-from engine.cpu.linear import FP4_ROWS, CpuNvfp4Linear, optimize_for_cpu_inference
-from engine.loaders.load import load_model
-from engine.model.config import ModelConfig
-from engine.model.nvfp4_embedding import Nvfp4Embedding
-from engine.model.nvfp4_linear import Nvfp4Linear, apply_nvfp4, linear_modules
-from engine.model.transformer import Transformer
-from engine.runtime.kv_cache import AttnBatch, KVCache
-from engine.runtime.llm_engine import EngineConfig, LLMEngine
-from engine.runtime.sampler import SamplingParams
-from engine.speculation.dflash_proposer import DFlashProposer
-from engine.speculation.ngram import NgramProposer
-from kernels.cpu_decode import cpu_plan
-from kernels.nvfp4 import quantize
+from specloop.engine.cpu.fused_decode import supports
+from specloop.engine.cpu.linear import FP4_ROWS, CpuNvfp4Linear, optimize_for_cpu_inference
+from specloop.engine.loaders.load import load_model
+from specloop.engine.model.config import ModelConfig
+from specloop.engine.model.nvfp4_embedding import Nvfp4Embedding
+from specloop.engine.model.nvfp4_linear import Nvfp4Linear, apply_nvfp4, linear_modules
+from specloop.engine.model.transformer import Transformer
+from specloop.engine.model.kv_cache import AttnBatch, KVCache
+from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from specloop.engine.runtime.sampler import SamplingParams
+from specloop.engine.speculation.dflash_proposer import DFlashProposer
+from specloop.engine.speculation.ngram import NgramProposer
+from specloop.kernels.cpu_decode import cpu_plan
+from specloop.kernels.nvfp4 import quantize
 from tests.dflash_helpers import tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.usefixtures("kernel_isa")

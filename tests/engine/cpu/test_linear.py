@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-import engine.cpu.linear as cpu_linear
-from engine.cpu.linear import SMALL_ROWS, WIDENED_ROWS, CpuLinear, optimize_for_cpu_inference
-from kernels.cpu_features import CpuPlan, Isa
+import specloop.engine.cpu.linear as cpu_linear
+from specloop.engine.cpu.linear import SMALL_ROWS, WIDENED_ROWS, CpuLinear, optimize_for_cpu_inference
+from specloop.kernels.cpu_features import CpuPlan, Isa
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 ROWS = [(1, 1), (1, 7), (3, 5), (16,), (40,)]  # up to 16 rows: the kernel; 40: past every kernel limit

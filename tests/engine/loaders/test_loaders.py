@@ -15,9 +15,9 @@ import pytest
 import torch
 from gguf import GGUFWriter
 
-from engine.loaders.gguf import permute_rows, served_name, unpermute_rows
-from engine.loaders.hf import read_hf_dir
-from engine.loaders.load import LoadedModel, load_model, read_stored_model
+from specloop.engine.loaders.gguf import permute_rows, served_name, unpermute_rows
+from specloop.engine.loaders.hf import read_hf_dir
+from specloop.engine.loaders.load import LoadedModel, load_model, read_stored_model
 
 pytestmark = pytest.mark.timeout(120)
 

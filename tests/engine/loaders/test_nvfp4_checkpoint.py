@@ -12,12 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.loaders.hf import read_hf_dir
-from engine.loaders.load import read_stored_model
-from engine.loaders.nvfp4_checkpoint import LAYOUTS, detect_layout, from_tensors, to_tensors
-from engine.loaders.quantize import quantized_stored_model, write_nvfp4_checkpoint
-from engine.loaders.stored_model import StoredModel
-from kernels.nvfp4 import NVFP4Weight, dequantize
+from specloop.engine.loaders.hf import read_hf_dir
+from specloop.engine.loaders.load import read_stored_model
+from specloop.engine.loaders.nvfp4_checkpoint import LAYOUTS, detect_layout, from_tensors, to_tensors
+from specloop.engine.loaders.quantize import quantized_stored_model, write_nvfp4_checkpoint
+from specloop.engine.loaders.stored_model import StoredModel
+from specloop.kernels.nvfp4 import NVFP4Weight, dequantize
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -20,12 +20,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from typer.testing import CliRunner
 
-from daemon.cli import app
-from engine.loaders.cli import quantize as quantize_command
-from engine.loaders.hf import hf_config, read_hf_dir
-from engine.loaders.load import LoadedModel, load_model, read_stored_model
-from engine.loaders.nvfp4_checkpoint import LAYOUTS
-from engine.loaders.quantize import (
+from specloop.daemon.cli import app
+from specloop.engine.loaders.cli import quantize as quantize_command
+from specloop.engine.loaders.hf import hf_config, read_hf_dir
+from specloop.engine.loaders.load import LoadedModel, load_model, read_stored_model
+from specloop.engine.loaders.nvfp4_checkpoint import LAYOUTS
+from specloop.engine.loaders.quantize import (
     fuse_for_transformer,
     fusion_groups,
     quantize_state_dict,
@@ -33,10 +33,10 @@ from engine.loaders.quantize import (
     shared_tensor_scale,
     write_nvfp4_checkpoint,
 )
-from engine.loaders.weight_format import WeightFormat
-from engine.model.nvfp4_embedding import Nvfp4Embedding
-from engine.model.nvfp4_linear import Nvfp4Linear
-from kernels.nvfp4 import dequantize, quantize
+from specloop.engine.loaders.weight_format import WeightFormat
+from specloop.engine.model.nvfp4_embedding import Nvfp4Embedding
+from specloop.engine.model.nvfp4_linear import Nvfp4Linear
+from specloop.kernels.nvfp4 import dequantize, quantize
 from tests.engine.loaders.test_loaders import write_gguf_like_llama_cpp
 
 pytestmark = pytest.mark.timeout(180)
@@ -103,7 +103,7 @@ def test_differing_fused_scales_are_requantized_with_a_warning(tiny_llama_dir: P
     save_file(tensors, out / "model.safetensors")
     stored = read_hf_dir(out)
     k = stored.nvfp4[f"{P}self_attn.k_proj.weight"]
-    with caplog.at_level(logging.WARNING, logger="engine.loaders.quantize"):
+    with caplog.at_level(logging.WARNING, logger="specloop.engine.loaders.quantize"):
         fused = fuse_for_transformer(stored.nvfp4, stored.config)["layers.0.attn.qkv"]
     assert "layers.0.attn.qkv" in caplog.text and "re-quantizing" in caplog.text
     assert "layers.1.attn.qkv" not in caplog.text

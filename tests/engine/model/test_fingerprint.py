@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.loaders.load import load_model
-from engine.model.fingerprint import FINGERPRINT_HEX_CHARS
+from specloop.engine.loaders.load import load_model
+from specloop.engine.model.fingerprint import FINGERPRINT_HEX_CHARS
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -5,11 +5,11 @@ puts it in place of `embed` and refuses a matrix of the wrong shape."""
 import pytest
 import torch
 
-from engine.model.config import ModelConfig
-from engine.model.nvfp4_embedding import Nvfp4Embedding
-from engine.model.nvfp4_linear import apply_nvfp4
-from engine.model.transformer import Transformer
-from kernels.nvfp4 import dequantize, quantize
+from specloop.engine.model.config import ModelConfig
+from specloop.engine.model.nvfp4_embedding import Nvfp4Embedding
+from specloop.engine.model.nvfp4_linear import apply_nvfp4
+from specloop.engine.model.transformer import Transformer
+from specloop.kernels.nvfp4 import dequantize, quantize
 
 CONFIG = ModelConfig(arch="llama", vocab_size=80, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=16, max_position=64)

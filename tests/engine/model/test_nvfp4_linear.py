@@ -4,10 +4,10 @@ exactly), and what it refuses."""
 import pytest
 import torch
 
-from engine.model.config import ModelConfig
-from engine.model.nvfp4_linear import _TRITON_ROWS, Nvfp4Linear, apply_nvfp4, linear_modules
-from engine.model.transformer import Transformer
-from kernels.nvfp4 import dequantize, quantize
+from specloop.engine.model.config import ModelConfig
+from specloop.engine.model.nvfp4_linear import _TRITON_ROWS, Nvfp4Linear, apply_nvfp4, linear_modules
+from specloop.engine.model.transformer import Transformer
+from specloop.kernels.nvfp4 import dequantize, quantize
 
 CONFIG = ModelConfig(arch="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=16, max_position=64, tie_word_embeddings=True)
@@ -48,6 +48,6 @@ def test_refuses_unknown_modules_and_wrong_shapes() -> None:
 
 
 def test_the_gpu_row_limit_is_the_triton_kernels() -> None:
-    from kernels.nvfp4_triton import MAX_ROWS
+    from specloop.kernels.nvfp4_triton import MAX_ROWS
 
     assert _TRITON_ROWS == MAX_ROWS

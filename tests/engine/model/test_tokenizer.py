@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from engine.loaders.hf import read_hf_tokenizer
-from engine.loaders.load import LoadedModel
-from engine.model.config import ModelConfig
-from engine.model.tokenizer import Tokenizer
+from specloop.engine.loaders.hf import read_hf_tokenizer
+from specloop.engine.loaders.load import LoadedModel
+from specloop.engine.model.config import ModelConfig
+from specloop.engine.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.cpu.linear import optimize_for_cpu_inference
-from engine.loaders.load import LoadedModel, load_model
-from engine.model.transformer import Transformer
-from engine.runtime.kv_cache import AttnBatch, KVCache
+from specloop.engine.cpu.linear import optimize_for_cpu_inference
+from specloop.engine.loaders.load import LoadedModel, load_model
+from specloop.engine.model.transformer import Transformer
+from specloop.engine.model.kv_cache import AttnBatch, KVCache
 
 CPU = torch.device("cpu")
 NEW_TOKENS = 64

@@ -6,11 +6,11 @@ import asyncio
 import pytest
 import torch
 
-from engine.runtime.llm_engine import DrafterBuild, EngineConfig, LLMEngine
-from engine.runtime.sequence import SamplingParams
-from engine.speculation.dflash_proposer import DFlashProposer
-from engine.speculation.ngram import NgramProposer
-from engine.speculation.proposer import Proposer, ServedDrafter
+from specloop.engine.runtime.llm_engine import DrafterBuild, EngineConfig, LLMEngine
+from specloop.engine.runtime.sequence import SamplingParams
+from specloop.engine.speculation.dflash_proposer import DFlashProposer
+from specloop.engine.speculation.ngram import NgramProposer
+from specloop.engine.speculation.proposer import Proposer, ServedDrafter
 from tests.dflash_helpers import tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.timeout(60)

@@ -9,12 +9,12 @@ import jsonschema
 import pytest
 import torch
 
-from engine.cpu.linear import optimize_for_cpu_inference
-from engine.loaders.load import LoadedModel, load_model
-from engine.runtime.grammar import GrammarCompiler
-from engine.runtime.llm_engine import EngineConfig, LLMEngine
-from engine.runtime.sequence import SamplingParams
-from engine.speculation.ngram import NgramProposer
+from specloop.engine.cpu.linear import optimize_for_cpu_inference
+from specloop.engine.loaders.load import LoadedModel, load_model
+from specloop.engine.runtime.grammar import GrammarCompiler
+from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from specloop.engine.runtime.sequence import SamplingParams
+from specloop.engine.speculation.ngram import NgramProposer
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "ok"],
           "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"}}}

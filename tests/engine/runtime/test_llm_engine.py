@@ -8,14 +8,14 @@ import math
 import pytest
 import torch
 
-from engine.cpu.linear import optimize_for_cpu_inference
-from engine.model.config import ModelConfig
-from engine.model.transformer import Transformer
-from engine.runtime.llm_engine import EngineConfig, LLMEngine, PromptTooLong
-from engine.runtime.sampler import filtered_probs
-from engine.runtime.sequence import SamplingParams
-from engine.speculation.ngram import NgramProposer
-from engine.speculation.proposer import StatelessProposer
+from specloop.engine.cpu.linear import optimize_for_cpu_inference
+from specloop.engine.model.config import ModelConfig
+from specloop.engine.model.transformer import Transformer
+from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine, PromptTooLong
+from specloop.engine.runtime.sampler import filtered_probs
+from specloop.engine.runtime.sequence import SamplingParams
+from specloop.engine.speculation.ngram import NgramProposer
+from specloop.engine.speculation.proposer import StatelessProposer
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 

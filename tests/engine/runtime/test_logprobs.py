@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.cpu.linear import optimize_for_cpu_inference
-from engine.loaders.load import load_model
-from engine.runtime.llm_engine import EngineConfig, LLMEngine
-from engine.runtime.sequence import SamplingParams
-from engine.speculation.ngram import NgramProposer
+from specloop.engine.cpu.linear import optimize_for_cpu_inference
+from specloop.engine.loaders.load import load_model
+from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from specloop.engine.runtime.sequence import SamplingParams
+from specloop.engine.speculation.ngram import NgramProposer
 
 MAX_LEN = 96
 

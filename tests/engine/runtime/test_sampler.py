@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from engine.runtime.sampler import Sampler, filtered_probs
-from engine.runtime.sequence import SamplingParams
+from specloop.engine.runtime.sampler import Sampler, filtered_probs
+from specloop.engine.runtime.sequence import SamplingParams
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -3,8 +3,8 @@ budget, which sequences decode, and finishing (slots freed once, waiting request
 
 import pytest
 
-from engine.runtime.scheduler import PrefillChunk, Scheduler
-from engine.runtime.sequence import SamplingParams, Sequence, Status
+from specloop.engine.runtime.scheduler import PrefillChunk, Scheduler
+from specloop.engine.runtime.sequence import SamplingParams, Sequence, Status
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,6 +1,6 @@
 """Per-sequence speculation counters: pooling several sequences' `SpecStats`."""
 
-from engine.runtime.sequence import SpecStats
+from specloop.engine.runtime.sequence import SpecStats
 
 
 def test_pooled_spec_stats_sum_counters_and_positions() -> None:

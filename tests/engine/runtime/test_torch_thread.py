@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from engine.runtime.llm_engine import EngineConfig, LLMEngine
-from engine.runtime.torch_thread import TorchThread
+from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from specloop.engine.runtime.torch_thread import TorchThread
 from tests.engine.runtime.test_llm_engine import tiny
 
 pytestmark = pytest.mark.timeout(60)

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.loaders.load import LoadedModel, load_model
-from engine.runtime.llm_engine import LLMEngine
-from engine.server.api import build_app
-from engine.server.serving import FinishedRequest
-from engine.server.settings import ServerSettings
-from engine.speculation.ngram import NgramProposer
-from engine.speculation.proposer import Proposer
+from specloop.engine.loaders.load import LoadedModel, load_model
+from specloop.engine.runtime.llm_engine import LLMEngine
+from specloop.engine.server.api import build_app
+from specloop.engine.server.serving import FinishedRequest
+from specloop.engine.server.settings import ServerSettings
+from specloop.engine.speculation.ngram import NgramProposer
+from specloop.engine.speculation.proposer import Proposer
 from tests.server_thread import serve_in_thread
 
 MAX_LEN = 256  # the tiny model's max_position_embeddings

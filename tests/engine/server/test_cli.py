@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from benchmarks.server_process import wait_ready
-from engine.loaders.load import load_model
-from engine.loaders.weight_format import WeightFormat
-from storage.broker import free_port
+from specloop.engine.loaders.load import load_model
+from specloop.engine.loaders.weight_format import WeightFormat
+from specloop.storage.broker import free_port
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
-from engine.loaders.load import LoadedModel
-from engine.server.detokenizer import Detokenizer, StopStringMatcher
+from specloop.engine.loaders.load import LoadedModel
+from specloop.engine.server.detokenizer import Detokenizer, StopStringMatcher
 
 TEXTS = ["plain ascii words", "héllo wörld ñ", "emoji 🙂🚀 and 世界 mixed", "  spaces\n\nnewlines\t", "🙂"]
 

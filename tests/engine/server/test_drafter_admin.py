@@ -9,13 +9,13 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from engine.runtime.llm_engine import EngineConfig, LLMEngine
-from engine.server.drafter_admin import build_drafter_admin_router
-from engine.speculation.drafter_artifact import Lineage, save_drafter
-from engine.speculation.follower import DrafterFollower
-from engine.speculation.ngram import NgramProposer
-from storage.broker import free_port
-from storage.registry import CHAMPION, DrafterRegistry
+from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from specloop.engine.server.drafter_admin import build_drafter_admin_router
+from specloop.engine.speculation.drafter_artifact import Lineage, save_drafter
+from specloop.engine.server.drafter_follower import DrafterFollower
+from specloop.engine.speculation.ngram import NgramProposer
+from specloop.storage.broker import free_port
+from specloop.storage.registry import CHAMPION, DrafterRegistry
 from tests.dflash_helpers import tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.timeout(120)

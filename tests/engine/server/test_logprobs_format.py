@@ -1,9 +1,9 @@
 """`EmittedLogprobs`: a token's entry goes out only once all of its text has been sent, and tokens
 past the text (a stop string's) never do."""
 
-from engine.loaders.load import LoadedModel
-from engine.runtime.logprobs import TokenLogprob
-from engine.server.logprobs_format import EmittedLogprobs, completion_logprobs, token_text
+from specloop.engine.loaders.load import LoadedModel
+from specloop.engine.runtime.logprobs import TokenLogprob
+from specloop.engine.server.logprobs_format import EmittedLogprobs, completion_logprobs, token_text
 
 
 def test_entries_follow_the_text_sent(tiny_loaded: LoadedModel) -> None:

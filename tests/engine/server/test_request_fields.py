@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from specloop.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from tests.engine.server.conftest import RunningServer
 
 pytestmark = pytest.mark.timeout(120)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from engine.server.settings import ServerSettings
+from specloop.engine.server.settings import ServerSettings
 
 
 def test_defaults_serve_on_loopback() -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks.transformers_reference import transformers_llama
-from engine.loaders.load import LoadedModel, read_stored_model
+from specloop.engine.loaders.load import LoadedModel, read_stored_model
 from tests.engine.server.conftest import RunningServer, serving
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from engine.speculation.combined import CombinedProposer
-from engine.speculation.ngram import NgramProposer
-from engine.speculation.proposer import StatelessProposer
+from specloop.engine.speculation.combined import CombinedProposer
+from specloop.engine.speculation.ngram import NgramProposer
+from specloop.engine.speculation.proposer import StatelessProposer
 
 
 class Constant(StatelessProposer):

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from engine.speculation.dflash import DFlashConfig, SeparateBlocks, block_mask, context_mask, spread_tap_layers
-from engine.speculation.dflash_proposer import DFlashProposer
+from specloop.engine.speculation.dflash import DFlashConfig, SeparateBlocks, block_mask, context_mask, spread_tap_layers
+from specloop.engine.speculation.dflash_proposer import DFlashProposer
 from tests.dflash_helpers import tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.timeout(60)

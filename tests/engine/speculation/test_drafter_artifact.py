@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.speculation.dflash import DFlashConfig, DFlashDrafter
-from engine.speculation.drafter_artifact import Lineage, load_drafter, read_meta, save_drafter
+from specloop.engine.speculation.dflash import DFlashConfig, DFlashDrafter
+from specloop.engine.speculation.drafter_artifact import Lineage, load_drafter, read_meta, save_drafter
 from tests.dflash_helpers import tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.timeout(30)

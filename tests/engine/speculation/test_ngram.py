@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from engine.speculation.ngram import NgramProposer, lookup
+from specloop.engine.speculation.ngram import NgramProposer, lookup
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -4,7 +4,7 @@ and what it commits (the kept drafts plus the target's bonus token, 1 to k+1 tok
 import pytest
 import torch
 
-from engine.speculation.verify import accept_lengths, committed_tokens
+from specloop.engine.speculation.verify import accept_lengths, committed_tokens
 
 pytestmark = pytest.mark.timeout(30)
 

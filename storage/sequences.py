@@ -5,7 +5,9 @@ saw it, after the chat template, and the target's own answer). Loss and evaluati
 at the response. Parquet inputs may be files or directories (e.g. the trace store's hive layout);
 other columns are ignored. The digest identifies the exact token content, for drafter lineage.
 
-This file does not build datasets (consent filtering, dedup: `storage/`) and knows no tokenizer.
+It lives in storage because both the trainer (`daemon/training/`) and the evaluators
+(`daemon/evaluation/`) read it, and the dataset builder's Parquet (`dataset.py`) is its main input.
+This file does not build datasets (consent filtering, dedup: `dataset.py`) and knows no tokenizer.
 """
 
 import hashlib

@@ -12,13 +12,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.runtime.llm_engine import EngineConfig, LLMEngine
-from engine.runtime.sequence import SamplingParams
-from engine.speculation.drafter_artifact import Lineage, save_drafter
-from engine.speculation.follower import DrafterFollower
-from engine.speculation.ngram import NgramProposer
-from storage.broker import free_port
-from storage.registry import CHAMPION, DrafterRegistry
+from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from specloop.engine.runtime.sequence import SamplingParams
+from specloop.engine.speculation.drafter_artifact import Lineage, save_drafter
+from specloop.engine.server.drafter_follower import DrafterFollower
+from specloop.engine.speculation.ngram import NgramProposer
+from specloop.storage.broker import free_port
+from specloop.storage.registry import CHAMPION, DrafterRegistry
 from tests.dflash_helpers import tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.timeout(120)

@@ -20,9 +20,9 @@ import pytest
 import typer
 from typer.testing import CliRunner, Result
 
-from daemon.traffic import replay
-from daemon.training.prompts import Prompt, read_prompts
-from storage.layout import live_files
+from specloop.daemon.traffic import sender
+from specloop.daemon.training.prompts import Prompt, read_prompts
+from specloop.storage.layout import live_files
 from tests.engine.server import conftest as server_fixtures
 from tests.integration import conftest as capture_fixtures
 from tests.integration.conftest import ACME_KEY, CaptureStack
@@ -35,7 +35,7 @@ WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "
 
 def _app() -> typer.Typer:
     app = typer.Typer()
-    replay.register(app)
+    sender.register(app)
     return app
 
 
@@ -91,63 +91,63 @@ def _many_prompts(n: int) -> list[Prompt]:
 
 def test_the_split_is_deterministic_disjoint_and_independent_of_order() -> None:
     prompts = _many_prompts(400)
-    traffic, heldout = replay.traffic_split(prompts, 0.25)
+    traffic, heldout = sender.traffic_split(prompts, 0.25)
     shuffled = random.Random(0).sample(prompts, len(prompts))
-    traffic_again, heldout_again = replay.traffic_split(shuffled, 0.25)
+    traffic_again, heldout_again = sender.traffic_split(shuffled, 0.25)
     assert {p.task for p in traffic} == {p.task for p in traffic_again}
     assert {p.task for p in heldout} == {p.task for p in heldout_again}
     assert {p.task for p in traffic}.isdisjoint({p.task for p in heldout})
     assert len(traffic) + len(heldout) == 400
     assert 60 <= len(heldout) <= 140  # sha256 buckets are uniform: 100 expected
     # A prompt's side depends on its messages alone, not on which other prompts are split with it.
-    assert replay.traffic_split(heldout[:5], 0.25) == ([], heldout[:5])
-    assert replay.traffic_split(prompts, 0.0) == (prompts, [])
+    assert sender.traffic_split(heldout[:5], 0.25) == ([], heldout[:5])
+    assert sender.traffic_split(prompts, 0.0) == (prompts, [])
 
 
 def test_a_fraction_outside_zero_to_one_is_refused() -> None:
     with pytest.raises(ValueError, match="held-out fraction"):
-        replay.traffic_split(_many_prompts(3), 1.0)
+        sender.traffic_split(_many_prompts(3), 1.0)
 
 
 def test_the_loop_stops_once_the_engine_has_been_unreachable_long_enough() -> None:
-    def unreachable(job: replay.Job) -> Future:
+    def unreachable(job: sender.Job) -> Future:
         f: Future = Future()
-        f.set_result(replay.Outcome(at="", task=job.prompt.task, user=job.user, latency_s=0.0, status=None,
+        f.set_result(sender.RequestOutcome(at="", task=job.prompt.task, user=job.user, latency_s=0.0, status=None,
                                     error="ConnectError: refused"))
         time.sleep(0.01)
         return f
 
-    done: list[replay.Outcome] = []
-    liveness = replay.Liveness(dead_after_s=0.2)
-    endless = replay.job_stream(_many_prompts(2), ["user-0"], repeat=True, limit=None)
-    replay.drive(endless, unreachable, 2, None, done.append, liveness, lambda: None)
+    done: list[sender.RequestOutcome] = []
+    liveness = sender.Liveness(dead_after_s=0.2)
+    endless = sender.job_stream(_many_prompts(2), ["user-0"], repeat=True, limit=None)
+    sender.drive(endless, unreachable, 2, None, done.append, liveness, lambda: None)
     assert liveness.dead() and liveness.last_error == "ConnectError: refused"
     assert done and all(o.status is None for o in done)
 
 
 def test_nothing_is_sent_while_paused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(replay, "PAUSE_POLL_S", 0.01)
+    monkeypatch.setattr(sender, "PAUSE_POLL_S", 0.01)
     sent_at: list[float] = []
 
-    def ok(job: replay.Job) -> Future:
+    def ok(job: sender.Job) -> Future:
         sent_at.append(time.monotonic())
         f: Future = Future()
-        f.set_result(replay.Outcome(at="", task=job.prompt.task, user=job.user, latency_s=0.0, status=200))
+        f.set_result(sender.RequestOutcome(at="", task=job.prompt.task, user=job.user, latency_s=0.0, status=200))
         return f
 
     resume_at = time.monotonic() + 0.3
-    jobs = replay.job_stream(_many_prompts(3), ["user-0"], repeat=False, limit=None)
-    replay.drive(jobs, ok, 1, None, lambda _: None, replay.Liveness(dead_after_s=5), lambda: None,
+    jobs = sender.job_stream(_many_prompts(3), ["user-0"], repeat=False, limit=None)
+    sender.drive(jobs, ok, 1, None, lambda _: None, sender.Liveness(dead_after_s=5), lambda: None,
                  paused=lambda: time.monotonic() < resume_at)
     assert len(sent_at) == 3 and min(sent_at) >= resume_at
 
 
 def test_jobs_cycle_with_repeat_and_take_users_in_turn() -> None:
     prompts = _many_prompts(3)
-    sent = list(replay.job_stream(prompts, ["user-0", "user-1"], repeat=True, limit=7))
+    sent = list(sender.job_stream(prompts, ["user-0", "user-1"], repeat=True, limit=7))
     assert [j.prompt.task for j in sent] == ["p0", "p1", "p2", "p0", "p1", "p2", "p0"]
     assert [j.user for j in sent] == ["user-0", "user-1"] * 3 + ["user-0"]
-    assert len(list(replay.job_stream(prompts, ["user-0"], repeat=False, limit=None))) == 3
+    assert len(list(sender.job_stream(prompts, ["user-0"], repeat=False, limit=None))) == 3
 
 
 @pytest.mark.parametrize(("args", "option"), [
@@ -186,9 +186,9 @@ def test_a_dead_engine_ends_the_command_with_exit_1(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_replay_sends_each_traffic_prompt_once_as_consented_demo_users(stack: CaptureStack, tmp_path: Path) -> None:
     prompts_file = _prompts_file(tmp_path / "prompts.jsonl", 12)
-    traffic, heldout = replay.traffic_split(read_prompts(prompts_file), 0.25)
+    traffic, heldout = sender.traffic_split(read_prompts(prompts_file), 0.25)
     assert (len(traffic), len(heldout)) == (10, 2)  # the split of these 12 prompts is fixed
-    record = tmp_path / "replay.jsonl"
+    record = tmp_path / "sender.jsonl"
     result = CliRunner().invoke(_app(), _stack_args(
         stack, "--source", "file", "--prompts-file", str(prompts_file), "--users", "3", "--concurrency", "2",
         "--max-tokens", "16", "--record", str(record)))
@@ -209,7 +209,7 @@ def test_replay_sends_each_traffic_prompt_once_as_consented_demo_users(stack: Ca
 
     for user in ("user-0", "user-1", "user-2"):
         held = stack.admin("/consents/query", {"tenant": "acme", "user": user}).json()["data"]
-        assert [(r["source"], r["revoked_at"]) for r in held] == [(replay.CONSENT_SOURCE, None)]
+        assert [(r["source"], r["revoked_at"]) for r in held] == [(sender.CONSENT_SOURCE, None)]
     subjects = [stack.subject("acme", f"user-{i}") for i in range(3)]
     rows = _trace_rows(stack.consent.traces_root, subjects, len(traffic))
     assert len(rows) == len(traffic)
@@ -222,15 +222,15 @@ def test_replay_sends_each_traffic_prompt_once_as_consented_demo_users(stack: Ca
 @pytest.mark.timeout(60)
 def test_consent_is_granted_once_however_often_the_demo_runs(stack: CaptureStack) -> None:
     with httpx.Client(base_url=stack.base_url, timeout=30) as client:
-        assert replay.grant_consents(client, stack.consent.admin_token, "acme", ["again-0", "again-1"]) == 2
-        assert replay.grant_consents(client, stack.consent.admin_token, "acme", ["again-0", "again-1"]) == 0
+        assert sender.grant_consents(client, stack.consent.admin_token, "acme", ["again-0", "again-1"]) == 2
+        assert sender.grant_consents(client, stack.consent.admin_token, "acme", ["again-0", "again-1"]) == 0
     assert len(stack.admin("/consents/query", {"tenant": "acme", "user": "again-0"}).json()["data"]) == 1
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(60)
 def test_refused_requests_are_recorded_and_counted_not_fatal(stack: CaptureStack, tmp_path: Path) -> None:
-    record = tmp_path / "replay.jsonl"
+    record = tmp_path / "sender.jsonl"
     # The tiny model's context is 256 tokens, so every request asking for 1,000 is refused with a 400.
     result = CliRunner().invoke(_app(), _stack_args(
         stack, "--source", "file", "--prompts-file", str(_prompts_file(tmp_path / "p.jsonl", 4)),
@@ -259,7 +259,7 @@ def test_a_wrong_key_admin_token_or_tenant_is_refused_naming_the_option(stack: C
 @pytest.mark.integration
 @pytest.mark.timeout(60)
 def test_repeat_cycles_the_prompts_until_the_duration_is_up(stack: CaptureStack, tmp_path: Path) -> None:
-    record = tmp_path / "replay.jsonl"
+    record = tmp_path / "sender.jsonl"
     started = time.monotonic()
     result = CliRunner().invoke(_app(), _stack_args(
         stack, "--source", "file", "--prompts-file", str(_prompts_file(tmp_path / "p.jsonl", 2)),

@@ -14,12 +14,12 @@ import logging
 
 import torch
 
-from daemon.training.config import TrainConfig
-from daemon.training.objective import Batch, BlockLoss
-from daemon.training.sequences import TokenSequence
-from daemon.training.target_features import with_target_features
-from engine.model.transformer import Transformer
-from engine.speculation.dflash import DFlashDrafter
+from specloop.daemon.training.config import TrainConfig
+from specloop.daemon.training.objective import Batch, BlockLoss
+from specloop.storage.sequences import TokenSequence
+from specloop.daemon.training.target_features import with_target_features
+from specloop.engine.model.transformer import Transformer
+from specloop.engine.speculation.dflash import DFlashDrafter
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +81,8 @@ class Evaluation:
 
     def heldout_tau(self) -> float:
         """τ of greedy speculative decoding replayed over the held-out split with the current weights."""
-        from daemon.evaluation.replay import replay
-        from engine.speculation.dflash_proposer import DFlashProposer
+        from specloop.daemon.evaluation.replay import replay
+        from specloop.engine.speculation.dflash_proposer import DFlashProposer
 
         # The proposer casts its drafter to the target's dtype in place: give it a copy.
         proposer = DFlashProposer(copy.deepcopy(self.drafter), self.target)

@@ -35,13 +35,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from engine.model.transformer import Transformer
-from engine.runtime.llm_engine import LLMEngine
-from engine.speculation.build import ProposerKind, build_proposer, dflash_of
-from engine.speculation.dflash import DFlashConfig, DFlashDrafter
-from engine.speculation.drafter_artifact import WEIGHTS, read_meta
-from engine.speculation.proposer import Proposer, ServedDrafter
-from storage.registry import DrafterRegistry, DrafterVersion, RegistryUnavailable
+from specloop.engine.model.transformer import Transformer
+from specloop.engine.runtime.llm_engine import LLMEngine
+from specloop.engine.speculation.build import ProposerKind, build_proposer, dflash_of
+from specloop.engine.speculation.dflash import DFlashConfig, DFlashDrafter
+from specloop.engine.speculation.drafter_artifact import WEIGHTS, read_meta
+from specloop.engine.speculation.proposer import Proposer, ServedDrafter
+from specloop.storage.registry import DrafterRegistry, DrafterVersion, RegistryUnavailable
 
 log = logging.getLogger(__name__)
 

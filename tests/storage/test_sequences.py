@@ -7,9 +7,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from daemon.traffic.replay import traffic_split
-from daemon.training.prompts import humaneval_prompts, prompt_set, sample_evals_prompts
-from daemon.training.sequences import TokenSequence, digest, read_sequences, split_heldout, write_jsonl
+from specloop.daemon.traffic.sender import traffic_split
+from specloop.daemon.training.prompts import humaneval_prompts, prompt_set, sample_evals_prompts
+from specloop.storage.sequences import TokenSequence, digest, read_sequences, split_heldout, write_jsonl
 
 pytestmark = pytest.mark.timeout(30)
 

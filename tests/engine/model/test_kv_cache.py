@@ -5,8 +5,8 @@ landing at `start + j` of the right slot, reads, and rollback by overwriting dea
 import pytest
 import torch
 
-from engine.model.config import ModelConfig
-from engine.runtime.kv_cache import AttnBatch, KVCache
+from specloop.engine.model.config import ModelConfig
+from specloop.engine.model.kv_cache import AttnBatch, KVCache
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.model.config import ModelConfig
+from specloop.engine.model.config import ModelConfig
 
 
 class KVCache:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Self
 
 import typer
 
-from daemon.training.prompts import Prompt, PromptSource
+from specloop.daemon.training.prompts import Prompt, PromptSource
 
 if TYPE_CHECKING:
     import httpx
@@ -72,7 +72,7 @@ class Job:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class RequestOutcome:
     """One finished request, as recorded. `status` is None when no HTTP response came at all."""
 
     at: str  # ISO 8601 UTC of the finish
@@ -92,7 +92,7 @@ class Outcome:
         return self.status == 200
 
 
-def pooled_tau(outcomes: Iterable[Outcome]) -> float | None:
+def pooled_tau(outcomes: Iterable[RequestOutcome]) -> float | None:
     """τ over many requests, counters summed first: 1 + accepted / drafts; None without a success."""
     ok = [o for o in outcomes if o.ok]
     if not ok:
@@ -105,10 +105,10 @@ def pooled_tau(outcomes: Iterable[Outcome]) -> float | None:
 class Tally:
     """Counts for the progress line and the summary; fed from one thread only."""
 
-    outcomes: list[Outcome] = field(default_factory=list)
-    recent: deque[Outcome] = field(default_factory=lambda: deque(maxlen=ROLLING_WINDOW))
+    outcomes: list[RequestOutcome] = field(default_factory=list)
+    recent: deque[RequestOutcome] = field(default_factory=lambda: deque(maxlen=ROLLING_WINDOW))
 
-    def add(self, outcome: Outcome) -> None:
+    def add(self, outcome: RequestOutcome) -> None:
         self.outcomes.append(outcome)
         self.recent.append(outcome)
 
@@ -236,8 +236,8 @@ def _admin(client: "httpx.Client", path: str, body: dict[str, str], headers: dic
     return r.json()
 
 
-def send(client: "httpx.Client", model: str, max_tokens: int, job: Job, version: str | None) -> Outcome:
-    """One greedy chat request; every failure becomes an Outcome, never an exception."""
+def send(client: "httpx.Client", model: str, max_tokens: int, job: Job, version: str | None) -> RequestOutcome:
+    """One greedy chat request; every failure becomes an RequestOutcome, never an exception."""
     import httpx
 
     body = {"model": model, "messages": list(job.prompt.messages), "max_tokens": max_tokens, "temperature": 0,
@@ -258,8 +258,8 @@ def send(client: "httpx.Client", model: str, max_tokens: int, job: Job, version:
                     tau=spec.get("mean_accepted_length", 1.0))
 
 
-def _outcome(job: Job, started: float, status: int | None, version: str | None, **fields: Any) -> Outcome:
-    return Outcome(at=datetime.now(UTC).isoformat(), task=job.prompt.task, user=job.user,
+def _outcome(job: Job, started: float, status: int | None, version: str | None, **fields: Any) -> RequestOutcome:
+    return RequestOutcome(at=datetime.now(UTC).isoformat(), task=job.prompt.task, user=job.user,
                    latency_s=round(time.monotonic() - started, 4), status=status, drafter_version=version,
                    **fields)
 
@@ -282,7 +282,7 @@ class Liveness:
     unreachable_since: float | None = None
     last_error: str | None = None
 
-    def saw(self, outcome: Outcome) -> None:
+    def saw(self, outcome: RequestOutcome) -> None:
         if outcome.status is not None:
             self.unreachable_since = None
         elif self.unreachable_since is None:
@@ -296,7 +296,7 @@ class Liveness:
 
 
 def drive(work: Iterator[Job], submit: Callable[[Job], Future], concurrency: int, deadline: float | None,
-          on_done: Callable[[Outcome], None], liveness: Liveness, tick: Callable[[], None],
+          on_done: Callable[[RequestOutcome], None], liveness: Liveness, tick: Callable[[], None],
           paused: Callable[[], bool] = lambda: False) -> None:
     """Keep `concurrency` requests in flight until the jobs run out, `deadline` (monotonic) passes or
     the engine is dead; the ones in flight then finish. While `paused()`, nothing new is sent. A
@@ -341,7 +341,7 @@ class Recorder:
             path.parent.mkdir(parents=True, exist_ok=True)
         self._file = None if path is None else path.open("a")
 
-    def __call__(self, outcome: Outcome) -> None:
+    def __call__(self, outcome: RequestOutcome) -> None:
         if self._file is not None:
             self._file.write(json.dumps(asdict(outcome)) + "\n")
             self._file.flush()
@@ -431,7 +431,7 @@ class ReplayPlan:
 
 
 def _prompts(source: PromptSource, prompts_file: Path | None, per_task: int, seed: int) -> list[Prompt]:
-    from daemon.training.prompts import prompt_set
+    from specloop.daemon.training.prompts import prompt_set
 
     try:
         return prompt_set(source, prompts_file, per_task, seed)
@@ -465,7 +465,7 @@ def _send_all(client: "httpx.Client", model: str, watch: DrafterWatch, plan: Rep
         def submit(job: Job) -> Future:
             return pool.submit(send, client, model, plan.max_tokens, job, watch.version)
 
-        def done(outcome: Outcome) -> None:
+        def done(outcome: RequestOutcome) -> None:
             tally.add(outcome)
             recorder(outcome)
             progress.advance(task)
