@@ -56,8 +56,10 @@ def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     subprocess.run([sys.executable, "-m", "venv", str(home)], check=True, timeout=120)
     [own] = home.glob("lib/python3.*/site-packages")
     (own / "dependencies.pth").write_text(site.getsitepackages()[0] + "\n")
+    # --ignore-installed: where the outer venv holds specloop as a wheel too (make test-latest), pip
+    # would find it through the .pth line and install nothing.
     subprocess.run([str(home / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
-                    str(wheel)], check=True, timeout=120)
+                    "--ignore-installed", str(wheel)], check=True, timeout=120)
     return home
 
 
