@@ -160,11 +160,12 @@ def replayed(data: Path, heldout: list, version: str) -> dict:
 
     from specloop.daemon.evaluation.replay import compare
     from specloop.daemon.shipped_drafters import shipped_drafters
-    from specloop.storage.sequences import TokenSequence
     from specloop.engine.loaders.load import load_for_inference, resolve_device
     from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
     from specloop.engine.runtime.sequence import SamplingParams
+    from specloop.engine.speculation.drafter_artifact import max_artifact_bytes
     from specloop.storage.registry import DrafterRegistry
+    from specloop.storage.sequences import TokenSequence
 
     loaded = load_for_inference(None, torch.bfloat16, resolve_device(None))
     tok = loaded.tokenizer
@@ -174,7 +175,8 @@ def replayed(data: Path, heldout: list, version: str) -> dict:
     sequences = [TokenSequence(tuple(s.prompt_ids), tuple(s.output_ids)) for s in out]
     registry = DrafterRegistry(f"sqlite:///{(data / 'registry' / 'mlflow.db').resolve()}", data / "registry" /
                                "artifacts")
-    promoted = registry.download(registry.version(loaded.fingerprint, version.removeprefix("v")), data / "bench")
+    promoted = registry.download(registry.version(loaded.fingerprint, version.removeprefix("v")), data / "bench",
+                                 max_artifact_bytes(loaded.model.config))
     drafters = [shipped_drafters()[loaded.fingerprint], promoted]
     report = compare(loaded.model, loaded.fingerprint, sequences, drafters, ngram_block_size=4)
     names = {str(drafters[0]): "v1 (shipped)", str(promoted): f"{version} (retrained)"}

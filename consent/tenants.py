@@ -1,7 +1,7 @@
 """Tenant policies from YAML, and the mapping from a bearer API key to its tenant.
 
 A tenant says whether its traffic may be captured at all, for which purpose and under which policy
-version, and may override the PII mode. Keys are kept only as SHA-256 digests once loaded and are
+version, may override the PII mode, and may be held to limits of its own (`TenantLimits`). Keys are kept only as SHA-256 digests once loaded and are
 compared in constant time. Without a tenants file (`make run`) every request belongs to the
 anonymous tenant, which is never captured. This module does not check consent or authenticate the
 admin API; see `deploy/tenants.example.yaml` for the format.
@@ -21,6 +21,20 @@ ANONYMOUS_NAME = "anonymous"
 DEFAULT_PURPOSE = "drafter_training"
 
 
+class TenantLimits(BaseModel):
+    """What one tenant may ask of a server at once; None: no limit of its own (the server's apply).
+
+    Enforced by the serving engine (`engine/server/admission.py`), before a request's body is read
+    where the header is enough (requests per minute, sequences in flight)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_concurrent_sequences: int | None = Field(None, ge=1)  # running or waiting, every choice counted
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)  # prompt tokens plus n × max_tokens, reserved at the start
+    max_request_tokens: int | None = Field(None, ge=1)  # n × max_tokens of one request
+
+
 class TenantPolicy(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -31,6 +45,7 @@ class TenantPolicy(BaseModel):
     purpose: str = Field(default=DEFAULT_PURPOSE, pattern=r"^[a-z][a-z0-9_]{0,63}$")
     policy_version: str | None = None
     pii_mode: PiiMode | None = None
+    limits: TenantLimits = TenantLimits()
 
     @model_validator(mode="after")
     def _check(self) -> "TenantPolicy":

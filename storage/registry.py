@@ -232,31 +232,42 @@ class DrafterRegistry:
             with self._existing_version(name, version):
                 self._client.set_model_version_tag(name, version, key, value)
 
-    def download(self, v: DrafterVersion, dst: Path) -> Path:
+    def download(self, v: DrafterVersion, dst: Path, max_bytes: int) -> Path:
         """The version's artifact directory under `dst/<name>/<version>-<run id>/`, downloaded once;
-        ValueError when the version's files are missing or incomplete.
+        ValueError when the version's files are missing, incomplete or together over `max_bytes`.
 
-        A download goes to a temp directory beside the target and is renamed into place when it holds
-        both files, so an existing target is a complete download and is reused. The run id is in the
-        name because version numbers restart in a new registry: a cache kept across one must not hand
-        out another registry's v1.
+        Only the artifact's two files are fetched, and only once the store's listing says they fit:
+        a registered version is untrusted input, and a hostile or broken one must not fill the disk of
+        every engine that follows the alias. A download goes to a temp directory beside the target and
+        is renamed into place when it holds both files, so an existing target is a complete download
+        and is reused. The run id is in the name because version numbers restart in a new registry: a
+        cache kept across one must not hand out another registry's v1.
         """
         target = Path(dst) / v.name / f"{v.version}-{v.run_id}"
         if not target.is_dir():
-            self._download_into(v, target)
+            self._download_into(v, target, max_bytes)
         _check_download(target, v)
         return target
 
-    def _download_into(self, v: DrafterVersion, target: Path) -> None:
+    def _download_into(self, v: DrafterVersion, target: Path, max_bytes: int) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{v.version}.") as tmp:
+            got = Path(tmp) / "artifact"
+            got.mkdir()
             try:
                 with self._calling():
-                    got = Path(mlflow.artifacts.download_artifacts(artifact_uri=v.source, dst_path=tmp,
-                                                                   tracking_uri=self.tracking_uri))
+                    listed = {Path(f.path).name: f.file_size for f in
+                              mlflow.artifacts.list_artifacts(artifact_uri=v.source, tracking_uri=self.tracking_uri)}
+                _check_listing(listed, v, max_bytes)
+                for file in (WEIGHTS, CONFIG):
+                    with self._calling():
+                        mlflow.artifacts.download_artifacts(artifact_uri=f"{v.source.rstrip('/')}/{file}",
+                                                            dst_path=str(got), tracking_uri=self.tracking_uri)
             except MlflowException as e:  # not a server error (that is RegistryUnavailable): the files are gone
                 raise ValueError(f"version {v.label} of {v.name} ({v.source}) cannot be downloaded: {e.message}") from e
             _check_download(got, v)
+            if sum(f.stat().st_size for f in got.iterdir()) > max_bytes:  # the listing may not know sizes
+                raise ValueError(f"version {v.label} of {v.name}: its files hold more than {max_bytes} bytes")
             try:
                 got.rename(target)
             except OSError:
@@ -408,6 +419,19 @@ def _check_artifact(artifact_dir: Path, base_model: str) -> None:
     if trained_for != base_model:
         raise ValueError(f"base_model {base_model} does not match the artifact's {FINGERPRINT_KEY} {trained_for!r} "
                          f"({artifact_dir / CONFIG})")
+
+
+def _check_listing(sizes: Mapping[str, int | None], v: DrafterVersion, max_bytes: int) -> None:
+    """The store's listing of a version's artifact: both files there, and together within `max_bytes`."""
+    if not sizes:
+        raise ValueError(f"version {v.label} of {v.name} ({v.source}) cannot be downloaded: no files at its source")
+    missing = [file for file in (WEIGHTS, CONFIG) if file not in sizes]
+    if missing:
+        raise ValueError(f"version {v.label} of {v.name} ({v.source}) lacks {', '.join(missing)}")
+    listed = sum(sizes[file] or 0 for file in (WEIGHTS, CONFIG))
+    if listed > max_bytes:
+        raise ValueError(f"version {v.label} of {v.name}: its files hold {listed} bytes, more than a drafter "
+                         f"of the served model can ({max_bytes})")
 
 
 def _check_download(directory: Path, v: DrafterVersion) -> None:

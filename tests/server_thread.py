@@ -17,9 +17,12 @@ _START_TIMEOUT_S = 30
 
 
 @contextmanager
-def serve_in_thread(app: FastAPI, host: str = "127.0.0.1") -> Iterator[str]:
-    """Yield the server's base URL once it accepts connections; shut it down on exit."""
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", send_buffer: int | None = None) -> Iterator[str]:
+    """Yield the server's base URL once it accepts connections; shut it down on exit. `send_buffer`
+    fixes each connection's kernel send buffer (accepted sockets inherit it), as a slow network would."""
     sock = socket.socket()
+    if send_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     sock.bind((host, 0))  # binding here, not in uvicorn, means the port is known and never raced for
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)

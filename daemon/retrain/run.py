@@ -46,7 +46,7 @@ from specloop.daemon.retrain.run_log import RunOutcome, RunLog
 from specloop.daemon.retrain.settings import DaemonSettings
 from specloop.storage.sequences import TokenSequence, digest
 from specloop.engine.loaders.load import LoadedModel
-from specloop.engine.speculation.drafter_artifact import read_meta
+from specloop.engine.speculation.drafter_artifact import max_artifact_bytes, read_meta
 from specloop.storage.dataset import DatasetManifest, build_dataset
 from specloop.storage.registry import Approval, DrafterRegistry, DrafterVersion, RegistryUnavailable, Tag, tau_tags
 
@@ -120,7 +120,7 @@ class RetrainRun:
         with self._step("champion"):
             champion = loop.registry.champion(loop.base_model)
             champion_dir = None if champion is None else loop.registry.download(
-                champion, loop.settings.work_dir / "drafters")
+                champion, loop.settings.work_dir / "drafters", max_artifact_bytes(loop.target.model.config))
         with self._step("train"):
             warm = champion_dir if loop.policy.training.warm_start else None
             cfg = train_config(loop.policy.training, self.dir / "challenger", warm, _seed(self.run_id),

@@ -19,7 +19,10 @@ This file is the constraint; the engine applies it (`llm_engine.py`) and the API
 `response_format` (`engine/server/api.py`).
 """
 
+import hashlib
 import json
+import threading
+from collections import OrderedDict
 from functools import cached_property
 from typing import Any
 
@@ -28,6 +31,8 @@ import llguidance.torch
 import torch
 
 from specloop.engine.model.tokenizer import Tokenizer
+
+_CACHED_GRAMMARS = 64  # compiled schemas kept (a grammar string is a few kB)
 
 
 class Grammar:
@@ -77,10 +82,13 @@ def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> None:
 
 
 class GrammarCompiler:
-    """Builds sequences' grammars for one tokenizer; the llguidance tokenizer is made on first use."""
+    """Builds sequences' grammars for one tokenizer; the llguidance tokenizer is made on first use.
+    Thread-safe: the server compiles on worker threads."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
+        self._compiled: OrderedDict[str, str] = OrderedDict()  # schema digest -> validated grammar, LRU
+        self._lock = threading.Lock()
 
     @cached_property
     def _lltokenizer(self) -> llguidance.LLTokenizer:
@@ -88,13 +96,32 @@ class GrammarCompiler:
         return llguidance.LLTokenizer(t.backend.to_str(), n_vocab=t.vocab_size, eos_token=t.eos_token_ids[0])
 
     def json_schema(self, schema: dict[str, Any]) -> Grammar:
-        """A grammar for JSON text valid against `schema`; ValueError naming what is wrong with it."""
+        """A grammar for JSON text valid against `schema`; ValueError naming what is wrong with it. The
+        schema's compiled grammar is kept by digest (the `n` choices of a request, and clients that
+        send one schema with every request, compile it once); each sequence gets its own matcher."""
+        text = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        with self._lock:
+            lltokenizer, grammar = self._lltokenizer, self._compiled.get(digest)
+            if grammar is not None:
+                self._compiled.move_to_end(digest)
+        if grammar is None:
+            grammar = self._compile(text, lltokenizer)
+            with self._lock:
+                self._compiled[digest] = grammar
+                while len(self._compiled) > _CACHED_GRAMMARS:
+                    self._compiled.popitem(last=False)
+        matcher = llguidance.LLMatcher(lltokenizer, grammar)
+        if matcher.is_error():
+            raise ValueError(f"the JSON schema cannot be used: {matcher.get_error()}")
+        return Grammar(matcher, self._tokenizer.vocab_size)
+
+    @staticmethod
+    def _compile(schema_json: str, lltokenizer: llguidance.LLTokenizer) -> str:
         # Compact JSON (no whitespace between tokens of the syntax): with flexible whitespace a
         # weak model can fill its whole budget with newlines inside a valid object.
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
-                                                                overrides={"whitespace_flexible": False})
-        error = llguidance.LLMatcher.validate_grammar(grammar, self._lltokenizer)
-        matcher = None if error else llguidance.LLMatcher(self._lltokenizer, grammar)
-        if matcher is None or matcher.is_error():
-            raise ValueError(f"the JSON schema cannot be used: {error or matcher.get_error()}")
-        return Grammar(matcher, self._tokenizer.vocab_size)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema_json, overrides={"whitespace_flexible": False})
+        error = llguidance.LLMatcher.validate_grammar(grammar, lltokenizer)
+        if error:
+            raise ValueError(f"the JSON schema cannot be used: {error}")
+        return grammar

@@ -80,6 +80,7 @@ class EngineConfig:
     # The longest verify block any drafter may bring, now or after a swap: the KV cache holds this many
     # positions past max_len for a verify pass's dead rows (16 per slot: 0.8% of a 2048 context).
     max_block_size: int = 16
+    queue_timeout_s: float | None = None  # a sequence still waiting for a slot this long ends with "timeout"
 
     def __post_init__(self) -> None:
         if self.num_slots < 1:
@@ -88,6 +89,8 @@ class EngineConfig:
             raise ValueError(f"max_len must be >= 2, got {self.max_len}")
         if self.max_block_size < 2:
             raise ValueError(f"max_block_size must be >= 2, got {self.max_block_size}")
+        if self.queue_timeout_s is not None and self.queue_timeout_s <= 0:
+            raise ValueError(f"queue_timeout_s must be > 0, got {self.queue_timeout_s}")
 
 
 class PromptTooLong(ValueError):
@@ -198,15 +201,16 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {self.model.config.vocab_size}): {bad[:5]}")
 
-    async def stream(self, prompt_ids: list[int], params: SamplingParams,
-                     grammar: Grammar | None = None) -> AsyncIterator[TokenDelta]:
+    async def stream(self, prompt_ids: list[int], params: SamplingParams, grammar: Grammar | None = None,
+                     tenant: str = "") -> AsyncIterator[TokenDelta]:
         """Yield this request's deltas; leaving the iterator early aborts it and frees its slot.
-        With a `grammar`, every token is sampled from the distribution it allows."""
+        With a `grammar`, every token is sampled from the distribution it allows; `tenant` is whose
+        request it is, for the scheduler's fair share."""
         assert self.alive, "engine not started"
         self.check_prompt(prompt_ids)
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[TokenDelta] = asyncio.Queue()
-        seq = Sequence(list(prompt_ids), params, grammar=grammar)
+        seq = Sequence(list(prompt_ids), params, grammar=grammar, tenant=tenant)
         self._commands.put(("add", seq, Listener(loop, deltas)))
         finished = False
         try:
@@ -280,12 +284,17 @@ class LLMEngine:
     def _add(self, seq: Sequence, listener: Listener | None) -> None:
         if listener is not None:
             self._listeners[seq.seq_id] = listener
+            if self.config.queue_timeout_s is not None:  # streamed requests wait for a client; generate() never
+                seq.deadline = time.monotonic() + self.config.queue_timeout_s
         self.sampler.register(seq.seq_id, seq.params)
         self.scheduler.add(seq)
 
     def step(self) -> list[tuple[Sequence, TokenDelta]]:
         """One engine step; returns the deltas it produced."""
         self._apply_swaps()
+        expired = self.scheduler.expire(time.monotonic())
+        for seq in expired:
+            self._finish(seq, "timeout")
         self.scheduler.admit()
         chunks = self.scheduler.prefill_chunks()
         if chunks:
@@ -299,7 +308,7 @@ class LLMEngine:
         self._steps += 1
         self._retire_idle_drafters()
         self._publish_stats()
-        return results
+        return [(s, self._delta(s, [], "timeout")) for s in expired] + results
 
     def _speculates(self, seq: Sequence) -> bool:
         return seq.drafter is not None and self.config.speculate and seq.params.speculate
@@ -487,7 +496,7 @@ class LLMEngine:
     def _publish_stats(self) -> None:
         running = self.scheduler.running
         self._stats = EngineStats(
-            waiting=len(self.scheduler.waiting),
+            waiting=self.scheduler.num_waiting,
             running=len(running),
             slots_used=self.config.num_slots - len(self.scheduler.free_slots),
             slots_total=self.config.num_slots,

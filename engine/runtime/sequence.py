@@ -104,7 +104,7 @@ class TokenDelta:
     """What one engine step produced for one request: new tokens, and on the last one why it ended."""
 
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout" (waited past its deadline) | "error"
     prompt_tokens: int = 0
     completion_tokens: int = 0
     spec: SpecStats | None = None
@@ -135,6 +135,8 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # filled chunk by chunk, if asked
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked
     grammar: "Grammar | None" = None  # structured output: what the next token may be (engine/runtime/grammar.py)
+    tenant: str = ""  # whose request: slots are shared fairly between tenants (engine/runtime/scheduler.py)
+    deadline: float | None = None  # time.monotonic() by which it must hold a slot, or it ends with "timeout"
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

@@ -6,11 +6,15 @@ Every error a client can cause comes back as OpenAI's error JSON with a 4xx stat
 field; validation errors are 400, not FastAPI's 422. A client that disconnects, streaming or not,
 has its engine request aborted so its KV-cache slot is freed.
 
-Every `/v1` route authenticates first: `Authorization: Bearer <key>` names the tenant through
-the `TenantDirectory` (a key it does not know is a 401 `invalid_api_key`, before the body's
-fields are validated; only a body that is not JSON at all is reported first, as a 400). Without
-a tenants file every request is tenant `anonymous`, never captured, whatever key the client
-sends (the openai client always sends one). The subject whose consent decides capture is the
+Every `/v1` request passes the edge first (`edge.py`): `Authorization: Bearer <key>` names the
+tenant through the `TenantDirectory` (a key it does not know is a 401 `invalid_api_key`, before the
+body is read), admission may refuse it from the headers (429, `admission.py`), and a body over
+`max_body_bytes` is a 413. Without a tenants file every request is tenant `anonymous`, never
+captured, whatever key the client sends (the openai client always sends one). A route then bounds
+the prompt's characters before it templates and tokenizes it, off the event loop (as it compiles a
+JSON schema, once per request and cached by digest), and reserves the request's sequences and
+tokens with admission before the engine sees it (`limits.py`; docs/api.md, "Limits"). A request
+that waits for a slot past the queue timeout is a 503 with `Retry-After`. The subject whose consent decides capture is the
 `X-Specloop-User` header when present, else the body's `user` field: the header is what a
 gateway in front of the application sets after authenticating the end user, so it is trusted
 over what the application put in the body. `/health`, `/ready` and `/metrics` are open;
@@ -25,17 +29,16 @@ import asyncio
 import dataclasses
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import aclosing, asynccontextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specloop.consent.tenants import TenantDirectory
+from specloop.consent.tenants import TenantDirectory, TenantPolicy
 from specloop.engine.loaders.load import LoadedModel
 from specloop.engine.runtime.grammar import Grammar, GrammarCompiler
 from specloop.engine.runtime.llm_engine import LLMEngine, PromptTooLong
@@ -55,7 +58,6 @@ from specloop.engine.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    ErrorBody,
     ErrorResponse,
     ModelCard,
     ModelList,
@@ -64,7 +66,18 @@ from specloop.engine.server.protocol import (
     new_id,
     now,
 )
-from specloop.engine.server.serving import EngineFailed, FinishHook, Generation, RequestInput, ServingContext
+from specloop.engine.server.admission import Admission, Ticket
+from specloop.engine.server.edge import Edge
+from specloop.engine.server.errors import APIError
+from specloop.engine.server.limits import RequestLimits
+from specloop.engine.server.serving import (
+    EngineFailed,
+    FinishHook,
+    Generation,
+    QueueTimeout,
+    RequestInput,
+    ServingContext,
+)
 from specloop.engine.server.settings import ServerSettings
 
 log = logging.getLogger(__name__)
@@ -75,19 +88,6 @@ _ENDPOINTS = {"/v1/completions": COMPLETIONS, "/v1/chat/completions": CHAT}
 _OPENAI_DEFAULT_MAX_TOKENS = 16  # what OpenAI's legacy completions endpoint generates when unset
 _DISCONNECTED = 499  # nginx's "client closed request", as the status label for aborted requests
 SUBJECT_HEADER = "X-Specloop-User"
-
-
-class APIError(Exception):
-    """An error the client caused (or a 5xx we report), rendered as OpenAI's error JSON."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = ErrorBody(message=message, type=kind, param=param, code=code)
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(ErrorResponse(error=self.body).model_dump(), status_code=self.status)
 
 
 def build_app(loaded: LoadedModel, engine: LLMEngine, settings: ServerSettings,
@@ -105,6 +105,8 @@ def build_app(loaded: LoadedModel, engine: LLMEngine, settings: ServerSettings,
     """
     metrics = ServerMetrics(engine.stats) if metrics is None else metrics
     tenants = TenantDirectory.load(None) if tenants is None else tenants
+    limits = settings.request_limits()
+    admission = Admission(engine.config.num_slots, limits, metrics)
     closers, companions = tuple(on_shutdown), tuple(companions)
     ctx = ServingContext(engine=engine, tokenizer=loaded.tokenizer, metrics=metrics,
                          model=settings.served_model_name or loaded.name, fingerprint=loaded.fingerprint,
@@ -130,9 +132,10 @@ def build_app(loaded: LoadedModel, engine: LLMEngine, settings: ServerSettings,
     app.state.serving = ctx
     _install_error_handlers(app, metrics)
     app.include_router(_ops_router(ctx))
-    app.include_router(_openai_router(ctx), dependencies=[Depends(_authenticator(tenants))])
+    app.include_router(_openai_router(ctx, limits, admission))
     for router in extra_routers:
         app.include_router(router)
+    app.add_middleware(Edge, tenants=tenants, admission=admission, limits=limits, metrics=metrics)
     return app
 
 
@@ -220,34 +223,10 @@ def _ops_router(ctx: ServingContext) -> APIRouter:
     return router
 
 
-# ------------------------------------------------------------------------------------------ tenants
-
-
-def _authenticator(tenants: TenantDirectory) -> Callable[[Request], Awaitable[None]]:
-    """A dependency that puts the caller's tenant name on `request.state.tenant`, or raises a 401."""
-
-    async def authenticate(request: Request) -> None:
-        tenant = tenants.resolve(_bearer_key(request.headers.get("authorization")))
-        if tenant is None:
-            raise APIError(401, "invalid or missing API key: send `Authorization: Bearer <key>` with a key "
-                                "issued to your tenant", code="invalid_api_key", kind="authentication_error")
-        request.state.tenant = tenant.name
-
-    return authenticate
-
-
-def _bearer_key(authorization: str | None) -> str | None:
-    """The key of a `Bearer` header; any other scheme is returned whole, so it matches no key."""
-    if authorization is None:
-        return None
-    scheme, _, key = authorization.strip().partition(" ")
-    return key.strip() if scheme.lower() == "bearer" and key.strip() else authorization
-
-
 # ------------------------------------------------------------------------------------------ OpenAI API
 
 
-def _openai_router(ctx: ServingContext) -> APIRouter:
+def _openai_router(ctx: ServingContext, limits: RequestLimits, admission: Admission) -> APIRouter:
     router = APIRouter(prefix="/v1")
     created = now()
 
@@ -262,17 +241,19 @@ def _openai_router(ctx: ServingContext) -> APIRouter:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _check_model(ctx, body.model)
         if isinstance(body.prompt, str):
-            prompt_ids, prompt_text = ctx.tokenizer.encode(body.prompt, add_special_tokens=True), body.prompt
+            _check_prompt_chars(limits, len(body.prompt), "prompt")
+            prompt_ids = await asyncio.to_thread(ctx.tokenizer.encode, body.prompt, add_special_tokens=True)
+            prompt_text = body.prompt
         else:
             prompt_ids, prompt_text = list(body.prompt), None
         # echo with logprobs scores the prompt; echo with max_tokens 0 does only that
         scored = body.logprobs if body.echo and body.logprobs is not None else (0 if body.max_tokens == 0 else None)
-        gens = _choices(ctx, request, body, COMPLETIONS, prompt_ids, prompt_text, "prompt",
-                        _OPENAI_DEFAULT_MAX_TOKENS, body.logprobs, scored)
+        gens, ticket = _choices(ctx, admission, request, body, COMPLETIONS, prompt_ids, prompt_text, "prompt",
+                                _OPENAI_DEFAULT_MAX_TOKENS, body.logprobs, scored)
         echo = _Echo(ctx, body, prompt_ids) if body.echo else None
         if body.stream:
-            return _sse(ctx, gens[0], _completion_events(ctx, gens, body.include_usage, echo))
-        texts = await _run_unless_disconnected(ctx, request, gens)
+            return _sse(ctx, gens, ticket, _completion_events(ctx, gens, body.include_usage, echo))
+        texts = await _run_unless_disconnected(ctx, request, gens, ticket)
         shift = len(echo.text) if echo else 0
         choices = [CompletionChoice(index=i, text=(echo.text if echo else "") + text, finish_reason=gen.finish_reason,
                                     logprobs=None if body.logprobs is None else _completion_logprobs(ctx, gen, echo, shift))
@@ -282,17 +263,17 @@ def _openai_router(ctx: ServingContext) -> APIRouter:
     @router.post("/chat/completions", response_model=None)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         _check_model(ctx, body.model)
-        try:
-            prompt_text = ctx.tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from e
-        prompt_ids = ctx.tokenizer.encode(prompt_text, add_special_tokens=False)
+        messages = body.template_messages()
+        _check_prompt_chars(limits, sum(len(m["content"]) for m in messages), "messages")
+        prompt_text, prompt_ids = await asyncio.to_thread(_chat_prompt, ctx, messages)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         schema = body.response_format.output_schema() if body.response_format else None
-        gens = _choices(ctx, request, body, CHAT, prompt_ids, prompt_text, "messages", None, logprobs, schema=schema)
+        grammars = await _grammars(ctx, limits, schema, body.n)
+        gens, ticket = _choices(ctx, admission, request, body, CHAT, prompt_ids, prompt_text, "messages", None,
+                                logprobs, grammars=grammars)
         if body.stream:
-            return _sse(ctx, gens[0], _chat_events(ctx, gens, body.include_usage))
-        texts = await _run_unless_disconnected(ctx, request, gens)
+            return _sse(ctx, gens, ticket, _chat_events(ctx, gens, body.include_usage))
+        texts = await _run_unless_disconnected(ctx, request, gens, ticket)
         choices = [ChatChoice(index=i, message=AssistantMessage(content=text), logprobs=_chat_logprobs(ctx, gen),
                               finish_reason=gen.finish_reason) for i, (gen, text) in enumerate(zip(gens, texts))]
         return _json(ctx, gens[0], ChatCompletionResponse(**_envelope(ctx, gens[0]), choices=choices,
@@ -307,27 +288,51 @@ def _check_model(ctx: ServingContext, model: str) -> None:
                        param="model", code="model_not_found")
 
 
-def _choices(ctx: ServingContext, request: Request, body: CompletionRequest | ChatCompletionRequest, endpoint: str,
-             prompt_ids: list[int], prompt_text: str | None, prompt_field: str, default_max_tokens: int | None,
-             logprobs: int | None, prompt_logprobs: int | None = None,
-             schema: dict | None = None) -> list[Generation]:
-    """One generation per choice (`n`). Choice i samples with seed + i, so each choice is reproducible
-    on its own; they do not share the prompt's prefill (each sequence fills its own cache slot).
-    With a `schema`, each choice decodes under its own grammar of it."""
+def _check_prompt_chars(limits: RequestLimits, chars: int, field: str) -> None:
+    try:
+        limits.check_prompt_chars(chars, field)
+    except ValueError as e:
+        raise APIError(400, str(e), param=field, code="context_length_exceeded") from e
+
+
+def _chat_prompt(ctx: ServingContext, messages: list[dict[str, str]]) -> tuple[str, list[int]]:
+    """The templated prompt and its token ids (on a worker thread: Jinja and the tokenizer take CPU)."""
+    try:
+        text = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from e
+    return text, ctx.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _choices(ctx: ServingContext, admission: Admission, request: Request,
+             body: CompletionRequest | ChatCompletionRequest, endpoint: str, prompt_ids: list[int],
+             prompt_text: str | None, prompt_field: str, default_max_tokens: int | None, logprobs: int | None,
+             prompt_logprobs: int | None = None, grammars: list[Grammar] | None = None,
+             ) -> tuple[list[Generation], Ticket]:
+    """One generation per choice (`n`), admitted together: the ticket holds their sequences and tokens.
+    Choice i samples with seed + i, so each choice is reproducible on its own; they do not share the
+    prompt's prefill (each sequence fills its own cache slot). With `grammars`, choice i decodes under
+    the i-th."""
     first = _request_input(ctx, request, body, endpoint, prompt_ids, prompt_text, prompt_field, default_max_tokens,
                            logprobs, prompt_logprobs)
+    limit = body.token_limit()
+    tenant: TenantPolicy = request.state.tenant
+    ticket = admission.reserve(tenant, body.n, len(prompt_ids), first.params.max_tokens,
+                               limit[0] if limit else "max_tokens")
     inputs = [dataclasses.replace(first, request_id=f"{first.request_id}-{i}" if i else first.request_id,
-                                  params=_choice_params(first.params, i), grammar=_grammar(ctx, schema))
+                                  params=_choice_params(first.params, i), grammar=grammars[i] if grammars else None)
               for i in range(body.n)]
-    return [Generation(ctx, r) for r in inputs]
+    return [Generation(ctx, r) for r in inputs], ticket
 
 
-def _grammar(ctx: ServingContext, schema: dict | None) -> Grammar | None:
+async def _grammars(ctx: ServingContext, limits: RequestLimits, schema: dict | None, n: int) -> list[Grammar] | None:
+    """Each choice's grammar of `schema` (compiled once, and cached by the compiler), off the event loop."""
     if schema is None:
         return None
     assert ctx.grammars is not None
     try:
-        return ctx.grammars.json_schema(schema)
+        limits.check_schema(schema)
+        return await asyncio.to_thread(lambda: [ctx.grammars.json_schema(schema) for _ in range(n)])
     except ValueError as e:
         raise APIError(400, f"response_format: {e}", param="response_format") from e
 
@@ -361,7 +366,7 @@ def _request_input(ctx: ServingContext, request: Request, body: CompletionReques
                             prompt_logprobs=prompt_logprobs)
     return RequestInput(request_id=new_id("chatcmpl" if endpoint == CHAT else "cmpl"),
                         endpoint=endpoint, prompt_ids=prompt_ids, prompt_text=prompt_text, params=params,
-                        stop=body.stop_strings, tenant=request.state.tenant,
+                        stop=body.stop_strings, tenant=request.state.tenant.name,
                         user=request.headers.get(SUBJECT_HEADER) or body.user)
 
 
@@ -417,8 +422,17 @@ def _json(ctx: ServingContext, gen: Generation, payload: CompletionResponse | Ch
 # --------------------------------------------------------------------------------- running and streaming
 
 
-async def _run_unless_disconnected(ctx: ServingContext, request: Request, gens: list[Generation]) -> list[str]:
-    """Every choice's whole text; aborts the generations if the client hangs up first."""
+async def _run_unless_disconnected(ctx: ServingContext, request: Request, gens: list[Generation],
+                                   ticket: Ticket) -> list[str]:
+    """Every choice's whole text; aborts the generations if the client hangs up first. The ticket is
+    released however it ends."""
+    try:
+        return await _run(ctx, request, gens)
+    finally:
+        ticket.release(sum(g.completion_tokens for g in gens))
+
+
+async def _run(ctx: ServingContext, request: Request, gens: list[Generation]) -> list[str]:
     gen = gens[0]
 
     async def collect(g: Generation) -> str:
@@ -437,6 +451,9 @@ async def _run_unless_disconnected(ctx: ServingContext, request: Request, gens: 
         raise asyncio.CancelledError("client disconnected")
     try:
         return work.result()
+    except QueueTimeout as e:
+        ctx.metrics.limited.labels(reason="queue_timeout").inc()
+        raise APIError(503, str(e), code="queue_timeout", kind="server_error", retry_after_s=1.0) from e
     except EngineFailed as e:
         raise APIError(500, str(e), kind="server_error") from e
 
@@ -447,26 +464,54 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-def _sse(ctx: ServingContext, gen: Generation, events: AsyncIterator[str]) -> StreamingResponse:
+def _sse(ctx: ServingContext, gens: list[Generation], ticket: Ticket, events: AsyncIterator[str]) -> StreamingResponse:
+    gen = gens[0]
+
     async def body() -> AsyncIterator[str]:
         finished = False
         try:
             async for event in events:
                 yield f"data: {event}\n\n"
             finished = True
+        except QueueTimeout as e:
+            ctx.metrics.limited.labels(reason="queue_timeout").inc()
+            yield f"data: {_error_event(APIError(503, str(e), code='queue_timeout', kind='server_error'))}\n\n"
+            finished = True
         except EngineFailed as e:
-            yield f"data: {ErrorResponse(error=APIError(500, str(e), kind='server_error').body).model_dump_json()}\n\n"
+            yield f"data: {_error_event(APIError(500, str(e), kind='server_error'))}\n\n"
             finished = True
         finally:
             ctx.metrics.record_request(gen.req.endpoint, 200 if finished else _DISCONNECTED)
         yield "data: [DONE]\n\n"
 
-    # When the client disconnects Starlette cancels the send loop, which may leave `stream` parked at
-    # a `yield`; closing it in the background task (run either way) aborts the engine request now
-    # rather than whenever the generator is garbage-collected.
+    async def end() -> None:
+        await stream.aclose()
+        ticket.release(sum(g.completion_tokens for g in gens))
+
     stream = body()
-    return StreamingResponse(stream, media_type="text/event-stream", background=BackgroundTask(stream.aclose),
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _Stream(end, stream, media_type="text/event-stream",
+                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _error_event(error: APIError) -> str:
+    return ErrorResponse(error=error.body).model_dump_json()
+
+
+class _Stream(StreamingResponse):
+    """A streamed response that runs `end` however it ends: finished, the client gone (Starlette cancels
+    the send loop, which may leave the body parked at a `yield`), or a send that timed out (the edge's
+    slow-reader bound raises out of it, where a background task would not run). Closing the body
+    there aborts the engine request now rather than whenever the generator is garbage-collected."""
+
+    def __init__(self, end: Callable[[], Any], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._end = end
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._end()
 
 
 def _envelope(ctx: ServingContext, gen: Generation) -> dict[str, str | int]:

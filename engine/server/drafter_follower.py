@@ -11,6 +11,13 @@ downloaded, then checked in stages, each with the reason a refusal is counted un
 | `drafter.json` | `config` | it fits this target (widths, vocabulary, depth, taps) and the engine's longest block |
 | weights | `weights` | the safetensors load into that architecture, every value finite |
 | propose | `propose` | on the engine thread: one propose on a real context gives finite draft logits |
+| any | `error` | anything else that raised: a bug, or a version no check foresaw |
+
+A version is untrusted input: the download is bounded by the most a drafter of the served target
+can hold, every dimension of its config by the target's before anything is allocated, and its
+weights file by what that config implies. Nothing a version holds can end the follower's thread: an
+unexpected exception refuses the version like any check, and one in the loop itself is logged,
+counted (`error`) and retried with backoff.
 
 The new proposer is built here, beside the serving one; the last stage runs inside the swap
 (`LLMEngine.swap`), on the engine thread between two steps: allocate its per-slot state, probe it,
@@ -39,13 +46,13 @@ from specloop.engine.model.transformer import Transformer
 from specloop.engine.runtime.llm_engine import LLMEngine
 from specloop.engine.speculation.build import ProposerKind, build_proposer, dflash_of
 from specloop.engine.speculation.dflash import DFlashConfig, DFlashDrafter
-from specloop.engine.speculation.drafter_artifact import WEIGHTS, read_meta
+from specloop.engine.speculation.drafter_artifact import WEIGHTS, max_artifact_bytes, read_meta, weight_bytes
 from specloop.engine.speculation.proposer import Proposer, ServedDrafter
 from specloop.storage.registry import DrafterRegistry, DrafterVersion, RegistryUnavailable
 
 log = logging.getLogger(__name__)
 
-REASONS = ("download", "fingerprint", "config", "weights", "propose")
+REASONS = ("download", "fingerprint", "config", "weights", "propose", "error")
 _BACKOFF_S = (1.0, 60.0)  # first retry, longest wait while the registry is unreachable
 _SWAP_TIMEOUT_S = 120.0  # the engine applies a swap between steps; a step takes milliseconds
 
@@ -92,9 +99,13 @@ def check_artifact(path: Path, fingerprint: str, target: Transformer, max_block_
     if config.block_size > max_block_size:
         raise DrafterRefused("config", f"drafter {path}: block size {config.block_size} exceeds the engine's "
                                        f"max_block_size {max_block_size}")
+    weights, most = Path(path) / WEIGHTS, weight_bytes(config)
+    if weights.stat().st_size > most:
+        raise DrafterRefused("weights", f"drafter {path}: {WEIGHTS} has {weights.stat().st_size} bytes, more than "
+                                        f"its config's tensors can hold ({most})")
     drafter = DFlashDrafter(config)
     try:
-        drafter.load_state_dict(load_file(Path(path) / WEIGHTS), strict=True)
+        drafter.load_state_dict(load_file(weights), strict=True)
     except Exception as e:  # safetensors' own error types, shape mismatches, missing or extra tensors
         raise DrafterRefused("weights", f"drafter {path}: weights do not load: {e}") from e
     if not all(torch.isfinite(p).all() for p in drafter.parameters()):
@@ -169,7 +180,12 @@ class DrafterFollower:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            result = self.check()
+            try:
+                result = self.check()
+            except Exception as e:  # a bug: this thread is how the engine follows promotions and rollbacks
+                log.exception("drafter follower: a check failed; trying again with backoff")
+                self.record_swap("refused", "error")
+                result = self._unavailable(e)
             wait = self.poll_s if result.result != "unavailable" else self._backoff_s()
             self._wake.wait(wait)
             self._wake.clear()
@@ -198,7 +214,7 @@ class DrafterFollower:
 
     def _swap_to(self, champion: DrafterVersion) -> CheckResult:
         try:
-            path = self.registry.download(champion, self.cache_dir)
+            path = self.registry.download(champion, self.cache_dir, max_artifact_bytes(self.target.config))
         except RegistryUnavailable as e:
             return self._unavailable(e)
         except (ValueError, OSError) as e:
@@ -206,11 +222,20 @@ class DrafterFollower:
         try:
             drafter = check_artifact(path, self.fingerprint, self.target, self.engine.config.max_block_size)
             proposer = self._proposer(drafter, champion.label)
-            served = self.engine.swap(self._build(proposer, champion.label)).result(timeout=_SWAP_TIMEOUT_S)
+            swap = self.engine.swap(self._build(proposer, champion.label))
         except DrafterRefused as e:
             return self._refuse(champion, e)
-        except (TimeoutError, RuntimeError) as e:  # the engine stopped, or did not step: try at the next look
-            return CheckResult("unchanged", self.engine.drafter_version, champion.label, detail=str(e))
+        except Exception as e:  # nothing a version holds may stop the follower; it is refused like any other
+            return self._refuse(champion, DrafterRefused("error", f"drafter {champion.label}: {type(e).__name__}: {e}"))
+        try:
+            served = swap.result(timeout=_SWAP_TIMEOUT_S)
+        except DrafterRefused as e:
+            return self._refuse(champion, e)
+        except Exception as e:
+            if isinstance(e, TimeoutError) or not self.engine.alive:  # no step came: try at the next look
+                return CheckResult("unchanged", self.engine.drafter_version, champion.label, detail=str(e))
+            # The build raised on the engine thread (allocation, the probe): the serving drafter kept serving.
+            return self._refuse(champion, DrafterRefused("error", f"drafter {champion.label}: {type(e).__name__}: {e}"))
         self.record_swap("ok", None)
         log.info("drafter %s of %s serving new sequences (%s)", champion.label, self.fingerprint, self.kind)
         return CheckResult("swapped", served.version if served else None, champion.label)

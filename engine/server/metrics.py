@@ -85,6 +85,8 @@ class ServerMetrics:
                                              ["drafter_version", "position"], registry=r)
         self.drafter_swaps = Counter("specloop_drafter_swaps", "Drafter swaps tried, by result and refusal reason.",
                                      ["result", "reason"], registry=r)
+        self.limited = Counter("specloop_limited_requests", "Requests refused or ended by a limit, by reason "
+                               "(engine/server/admission.py, edge.py).", ["reason"], registry=r)
         self.hook_errors = Counter("specloop_finish_hook_errors", "Finished-request hook calls that raised.",
                                    registry=r)
         r.register(_EngineLoadCollector(engine_stats))

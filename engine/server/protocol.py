@@ -21,6 +21,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 FinishReason = Literal["stop", "length"]
 MAX_CHOICES = 16
+# Stop strings are matched against every streamed piece of every choice (`detokenizer.py`): OpenAI's
+# count, and a length that makes each match microseconds (100,000 of them cost 110 ms per token).
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
 
 
 def new_id(prefix: str) -> str:
@@ -106,9 +110,14 @@ class _SamplingRequest(BaseModel):
 
     @field_validator("stop")
     @classmethod
-    def _stop_strings_nonempty(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        if stop is not None and any(s == "" for s in ([stop] if isinstance(stop, str) else stop)):
+    def _stop_strings_bounded(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        strings = [] if stop is None else [stop] if isinstance(stop, str) else stop
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
+        if any(s == "" for s in strings):
             raise ValueError("stop strings must not be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in strings):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         return stop
 
     @property

@@ -60,6 +60,10 @@ class EngineFailed(RuntimeError):
     """The engine gave up on this request (its step raised); not the client's fault."""
 
 
+class QueueTimeout(RuntimeError):
+    """The request waited for a KV-cache slot past the server's queue timeout; it may be tried again."""
+
+
 @dataclass(frozen=True)
 class ServingContext:
     """What every request on this server shares."""
@@ -123,7 +127,8 @@ class Generation:
         detok = Detokenizer(self.ctx.tokenizer, self.req.prompt_ids)
         stops = StopStringMatcher(self.req.stop)
         last = self._started
-        async with aclosing(self.ctx.engine.stream(self.req.prompt_ids, self.req.params, self.req.grammar)) as deltas:
+        stream = self.ctx.engine.stream(self.req.prompt_ids, self.req.params, self.req.grammar, self.req.tenant or "")
+        async with aclosing(stream) as deltas:
             async for delta in deltas:
                 last = self._time_tokens(last, len(delta.token_ids))
                 self.response_ids.extend(delta.token_ids)
@@ -143,6 +148,9 @@ class Generation:
                     yield piece
                 if self.finish_reason is not None:
                     break
+        if self.finish_reason == "timeout":
+            raise QueueTimeout("the server is busy: this request waited for a free slot past its queue timeout; "
+                               "retry later")
         if self.finish_reason not in ("stop", "length"):
             raise EngineFailed(f"the engine could not complete this request (finish_reason {self.finish_reason!r})")
         self._finished()

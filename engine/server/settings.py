@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # torch and the engine load inside the methods: `specloop --h
     import torch
 
     from specloop.engine.runtime.llm_engine import EngineConfig
+    from specloop.engine.server.limits import RequestLimits
 
 KafkaConfig = dict[str, str | int | float | bool]
 
@@ -67,6 +68,20 @@ class ServerSettings(BaseSettings):
     # under the GIL, per batch more than per record: 1.47 ms per trace at 5 ms (each trace its own
     # batch at 50 requests/s), 0.47 ms at 250 ms, 0.36 ms at 1 s. Traces are not urgent.
     capture_linger_ms: int = Field(250, ge=0)
+    # Limits: every input is bounded before work is done with it (engine/server/limits.py; docs/api.md,
+    # "Limits"). A body over max_body_bytes is refused (413) before it is read whole; prompts over
+    # max_prompt_chars before they are tokenized (None: 16 characters per token of max_len).
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+    max_prompt_chars: int | None = Field(None, ge=1)
+    max_request_tokens: int | None = Field(None, ge=1)  # n × max_tokens of one request (None: 4 × max_len)
+    max_schema_bytes: int = Field(32 << 10, ge=64)  # a response_format JSON schema, serialized
+    max_schema_depth: int = Field(16, ge=1)  # its nesting of objects and arrays
+    # Admission: sequences beyond the KV-cache slots wait, at most max_waiting of them (more: 429), and
+    # none longer than queue_timeout_s (then 503); a client that reads none of a stream for send_timeout_s
+    # loses it, and its slot.
+    max_waiting: int = Field(64, ge=0)
+    queue_timeout_s: float = Field(60.0, gt=0)
+    send_timeout_s: float = Field(30.0, gt=0)
 
     @field_validator("kafka_bootstrap")
     @classmethod
@@ -153,4 +168,13 @@ class ServerSettings(BaseSettings):
         from specloop.engine.runtime.llm_engine import EngineConfig
 
         return EngineConfig(num_slots=self.num_slots, max_len=self.max_len,
-                            max_prefill_tokens=self.max_prefill_tokens, speculate=self.speculate)
+                            max_prefill_tokens=self.max_prefill_tokens, speculate=self.speculate,
+                            queue_timeout_s=self.queue_timeout_s)
+
+    def request_limits(self) -> "RequestLimits":
+        from specloop.engine.server.limits import RequestLimits
+
+        return RequestLimits(
+            max_body_bytes=self.max_body_bytes, max_prompt_chars=self.max_prompt_chars or 16 * self.max_len,
+            max_request_tokens=self.max_request_tokens or 4 * self.max_len, max_schema_bytes=self.max_schema_bytes,
+            max_schema_depth=self.max_schema_depth, max_waiting=self.max_waiting, send_timeout_s=self.send_timeout_s)

@@ -20,6 +20,8 @@ files in `engine/speculation/drafter_artifact.py`.
 """
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +42,15 @@ def spread_tap_layers(num_target_layers: int, num_taps: int) -> tuple[int, ...]:
         return (num_target_layers // 2,)
     first, last = 1, num_target_layers - 3
     return tuple(sorted({round(first + i * (last - first) / (num_taps - 1)) for i in range(num_taps)}))
+
+
+_INT_FIELDS = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+               "vocab_size", "max_position", "target_num_layers", "block_size")
+_OPTIONAL_INT_FIELDS = ("mask_token_id", "output_vocab_size")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,7 @@ class DFlashConfig:
     output_vocab_size: int | None = None  # set when the output vocabulary is trimmed
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.num_layers <= 0:
             raise ValueError(f"num_layers must be > 0, got {self.num_layers}")
         if self.block_size < 2:
@@ -77,6 +89,19 @@ class DFlashConfig:
             raise ValueError(f"mask_token_id {self.mask_token_id} outside vocabulary of {self.vocab_size}")
         if self.output_vocab_size is not None and not 0 < self.output_vocab_size <= self.vocab_size:
             raise ValueError(f"output_vocab_size must be in 1..{self.vocab_size}, got {self.output_vocab_size}")
+
+    def _check_types(self) -> None:
+        """A config read from a registry is untrusted: every size an integer, every float finite."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in _INT_FIELDS or (f.name in _OPTIONAL_INT_FIELDS and value is not None):
+                if not _is_int(value):
+                    raise ValueError(f"{f.name} must be an integer, got {value!r}")
+            elif f.name in ("rms_norm_eps", "rope_theta"):
+                if not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+                    raise ValueError(f"{f.name} must be a finite number > 0, got {value!r}")
+        if not isinstance(self.tap_layers, tuple) or not all(_is_int(t) for t in self.tap_layers):
+            raise ValueError(f"tap_layers must be integers, got {self.tap_layers!r}")
 
     @classmethod
     def for_target(cls, target: ModelConfig, num_layers: int = 1, num_taps: int = 5, block_size: int = 16,
@@ -91,12 +116,19 @@ class DFlashConfig:
         )
 
     def check_target(self, target: ModelConfig) -> None:
-        """Refuse a target whose shape this drafter cannot read (the fingerprint check is the artifact's)."""
-        for name in ("hidden_size", "vocab_size"):
+        """Refuse a drafter that does not fit this target (the fingerprint check is the artifact's), before
+        anything is allocated: every dimension that sizes a tensor is the target's own (widths, heads,
+        vocabulary) or at most the target's (layers, positions), so no config can ask for more memory
+        than a drafter as deep as the target."""
+        for name in ("hidden_size", "vocab_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim"):
             if getattr(self, name) != getattr(target, name):
                 raise ValueError(f"drafter {name} {getattr(self, name)} != target {name} {getattr(target, name)}")
         if self.target_num_layers != target.num_layers:
             raise ValueError(f"drafter was built for a {self.target_num_layers}-layer target, got {target.num_layers}")
+        if self.num_layers > target.num_layers:
+            raise ValueError(f"drafter num_layers {self.num_layers} > the target's {target.num_layers}")
+        if not 0 < self.max_position <= target.max_position:
+            raise ValueError(f"drafter max_position {self.max_position} outside 1..{target.max_position}, the target's")
 
     @property
     def model_config(self) -> ModelConfig:

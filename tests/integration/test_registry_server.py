@@ -58,7 +58,7 @@ def test_register_alias_and_download_over_http(server: str, tmp_path: Path) -> N
 
     registry.set_alias(FINGERPRINT, CHAMPION, v2.version)
     champion = registry.champion(FINGERPRINT)
-    got = registry.download(champion, tmp_path / "cache")
+    got = registry.download(champion, tmp_path / "cache", 1 << 30)
 
     assert (champion.version, champion.aliases) == ("2", (CHAMPION,))
     assert (got / "model.safetensors").read_bytes() == (artifact / "model.safetensors").read_bytes()

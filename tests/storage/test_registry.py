@@ -43,6 +43,9 @@ from tests.dflash_helpers import tiny_drafter, tiny_target
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 
+ANY_SIZE = 1 << 30  # bytes: bound enough for any test artifact
+
+
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> DrafterRegistry:
     return DrafterRegistry(f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}")
@@ -163,7 +166,7 @@ def test_download_round_trips_the_bytes_and_reuses_a_complete_download(registry:
                                                                         fingerprint: str, tmp_path: Path) -> None:
     v = registry.register(artifact, fingerprint)
 
-    got = registry.download(v, tmp_path / "cache")
+    got = registry.download(v, tmp_path / "cache", ANY_SIZE)
 
     assert got == tmp_path / "cache" / v.name / f"{v.version}-{v.run_id}"
     assert sorted(p.name for p in got.iterdir()) == ["drafter.json", "model.safetensors"]  # no checkpoint.pt
@@ -172,7 +175,7 @@ def test_download_round_trips_the_bytes_and_reuses_a_complete_download(registry:
     assert load_drafter(got, fingerprint).fingerprint == fingerprint
     assert os.listdir(got.parent) == [got.name]  # no temp directory left beside it
     mtime = (got / "model.safetensors").stat().st_mtime_ns
-    assert registry.download(v, tmp_path / "cache") == got
+    assert registry.download(v, tmp_path / "cache", ANY_SIZE) == got
     assert (got / "model.safetensors").stat().st_mtime_ns == mtime
 
 
@@ -181,10 +184,32 @@ def test_concurrent_registers_and_downloads_both_succeed(registry: DrafterRegist
     with ThreadPoolExecutor(2) as pool:
         registered = list(pool.map(lambda _: registry.register(artifact, fingerprint), range(2)))
         assert sorted(v.version for v in registered) == ["1", "2"]
-        got = list(pool.map(lambda _: registry.download(registered[0], tmp_path / "cache"), range(2)))
+        got = list(pool.map(lambda _: registry.download(registered[0], tmp_path / "cache", ANY_SIZE), range(2)))
 
     assert got[0] == got[1] and (got[0] / "model.safetensors").read_bytes() == (artifact / WEIGHTS).read_bytes()
     assert os.listdir(got[0].parent) == [got[0].name]  # one download, no temp directory left
+
+
+def test_a_version_larger_than_the_bound_is_refused_before_its_files_are_fetched(
+        registry: DrafterRegistry, artifact: Path, fingerprint: str, tmp_path: Path) -> None:
+    v = registry.register(artifact, fingerprint)
+    size = sum((artifact / name).stat().st_size for name in (WEIGHTS, "drafter.json"))
+
+    with pytest.raises(ValueError, match=rf"its files hold {size} bytes, more than a drafter of the served model "
+                                         rf"can \({size - 1}\)"):
+        registry.download(v, tmp_path / "cache", size - 1)
+    assert not (tmp_path / "cache" / v.name).exists() or not any((tmp_path / "cache" / v.name).iterdir())
+    assert registry.download(v, tmp_path / "cache", size).is_dir()
+
+
+def test_only_the_artifacts_two_files_are_fetched(registry: DrafterRegistry, artifact: Path, fingerprint: str,
+                                                  tmp_path: Path) -> None:
+    v = registry.register(artifact, fingerprint)
+    (Path(urlparse(v.source).path) / "huge.bin").write_bytes(b"x" * 4096)
+
+    got = registry.download(v, tmp_path / "cache", 1 << 30)
+
+    assert sorted(p.name for p in got.iterdir()) == ["drafter.json", "model.safetensors"]
 
 
 def test_a_download_lacking_the_weights_is_refused(registry: DrafterRegistry, fingerprint: str, tmp_path: Path) -> None:
@@ -198,7 +223,7 @@ def test_a_download_lacking_the_weights_is_refused(registry: DrafterRegistry, fi
     client.create_model_version(name, f"{run.info.artifact_uri}/drafter", run.info.run_id)
 
     with pytest.raises(ValueError, match=r"version v1 .* lacks model\.safetensors"):
-        registry.download(registry.version(fingerprint, "1"), tmp_path / "cache")
+        registry.download(registry.version(fingerprint, "1"), tmp_path / "cache", ANY_SIZE)
     assert not (tmp_path / "cache" / name / "1").exists()
 
 
@@ -208,7 +233,7 @@ def test_a_version_whose_files_are_gone_is_refused(registry: DrafterRegistry, ar
     shutil.rmtree(urlparse(v.source).path)
 
     with pytest.raises(ValueError, match=r"version v1 .* cannot be downloaded"):
-        registry.download(v, tmp_path / "cache")
+        registry.download(v, tmp_path / "cache", ANY_SIZE)
     assert not (tmp_path / "cache" / v.name / v.version).exists()
 
 

@@ -1,5 +1,6 @@
-"""The scheduler alone: FIFO admission into the lowest free slots, prefill chunks within the token
-budget, which sequences decode, and finishing (slots freed once, waiting requests dropped)."""
+"""The scheduler alone: FIFO admission into the lowest free slots, fair between tenants, waiting
+sequences leaving at their deadline, prefill chunks within the token budget, which sequences decode,
+and finishing (slots freed once, waiting requests dropped)."""
 
 import pytest
 
@@ -11,8 +12,8 @@ pytestmark = pytest.mark.timeout(30)
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0)
 
 
-def seq(prompt_len: int) -> Sequence:
-    return Sequence(list(range(1, prompt_len + 1)), PARAMS)
+def seq(prompt_len: int, tenant: str = "", deadline: float | None = None) -> Sequence:
+    return Sequence(list(range(1, prompt_len + 1)), PARAMS, tenant=tenant, deadline=deadline)
 
 
 def spans(chunks: list[PrefillChunk]) -> list[tuple[Sequence, int, int, bool]]:
@@ -187,3 +188,43 @@ def test_aborted_prefill_gives_its_budget_to_the_next_prompt() -> None:
     run_prefill(sched.prefill_chunks())  # a: [0, 4)
     sched.finish(a)
     assert spans(sched.prefill_chunks()) == [(b, 0, 3, True)]
+
+
+def test_a_free_slot_goes_to_the_tenant_with_the_fewest_running() -> None:
+    sched = Scheduler(num_slots=4, max_prefill_tokens=64)
+    flood = [seq(2, "flood") for _ in range(100)]
+    for s in flood:
+        sched.add(s)
+    quiet = [seq(2, "quiet") for _ in range(3)]
+    for s in quiet:
+        sched.add(s)  # arrived after the whole flood
+    admitted = sched.admit()
+    assert [s.tenant for s in admitted] == ["flood", "quiet", "flood", "quiet"]
+    sched.finish(admitted[0])  # a flood sequence ends: flood has 1 running, quiet 2
+    assert sched.admit() == [flood[2]]
+    sched.finish(admitted[1])  # a quiet one ends: quiet has 1 running, flood 2
+    assert sched.admit() == [quiet[2]]
+    assert sched.num_waiting == 100 - 3
+
+
+def test_within_a_tenant_admission_stays_first_come_first_served() -> None:
+    sched = Scheduler(num_slots=2, max_prefill_tokens=64)
+    arrivals = [seq(2, tenant) for _ in range(3) for tenant in ("a", "b")]  # a, b, a, b, a, b
+    a, b = arrivals[0::2], arrivals[1::2]
+    for s in arrivals:
+        sched.add(s)
+    assert sched.admit() == [a[0], b[0]]
+    assert sched.waiting == [a[1], b[1], a[2], b[2]]  # every waiting sequence, in arrival order
+
+
+def test_waiting_sequences_leave_at_their_deadline() -> None:
+    sched = Scheduler(num_slots=1, max_prefill_tokens=64)
+    running, early, late, patient = seq(2), seq(2, deadline=10.0), seq(2, "t", deadline=20.0), seq(2)
+    for s in (running, early, late, patient):
+        sched.add(s)
+    sched.admit()
+    assert sched.expire(5.0) == []
+    assert sched.expire(10.0) == [early]
+    assert sched.waiting == [late, patient]
+    assert sched.expire(1e9) == [late]
+    assert sched.waiting == [patient] and sched.running == [running]  # a running sequence has no deadline

@@ -11,9 +11,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
+from specloop.consent.tenants import TenantDirectory
 from specloop.engine.loaders.load import LoadedModel, load_model
 from specloop.engine.runtime.llm_engine import LLMEngine
 from specloop.engine.server.api import build_app
@@ -68,12 +70,15 @@ class RunningServer:
 
 
 @contextmanager
-def serving(loaded: LoadedModel, proposer: Proposer | None) -> Iterator[RunningServer]:
-    """An engine behind a real uvicorn for `loaded` (the app's lifespan starts and stops the engine)."""
-    settings = ServerSettings(max_len=MAX_LEN, num_slots=NUM_SLOTS, dtype="float32", device="cpu")
+def serving(loaded: LoadedModel, proposer: Proposer | None, tenants: TenantDirectory | None = None,
+            send_buffer: int | None = None, **overrides: object) -> Iterator[RunningServer]:
+    """An engine behind a real uvicorn for `loaded` (the app's lifespan starts and stops the engine);
+    `overrides` are `ServerSettings` fields (limits), `send_buffer` each connection's (`serve_in_thread`)."""
+    settings = ServerSettings(**{"max_len": MAX_LEN, "num_slots": NUM_SLOTS, "dtype": "float32", "device": "cpu",
+                                 **overrides})
     engine = LLMEngine(loaded.model, settings.engine_config(), loaded.tokenizer.eos_token_ids, proposer)
     hook = FinishHookSpy()
-    with serve_in_thread(build_app(loaded, engine, settings, on_finish=hook)) as url:
+    with serve_in_thread(build_app(loaded, engine, settings, on_finish=hook, tenants=tenants), send_buffer=send_buffer) as url:
         yield RunningServer(url, engine, loaded, hook)
 
 
@@ -98,10 +103,21 @@ def hook(server: RunningServer) -> Iterator[FinishHookSpy]:
 
 
 @pytest.fixture
-def slow_decode(server: RunningServer) -> Iterator[None]:
+def slow_decode(tiny_loaded: LoadedModel) -> Iterator[None]:
     """Every forward pass of the served model takes 10 ms longer, so a full-length request lasts
     seconds and a client can walk away from it mid-generation on any machine."""
-    handle = server.loaded.model.register_forward_pre_hook(lambda module, args: time.sleep(0.01))
+    handle = tiny_loaded.model.register_forward_pre_hook(lambda module, args: time.sleep(0.01))
     yield
     handle.remove()
 
+
+def metric(server: RunningServer, name: str, **labels: str) -> float:
+    """One sample's value from `/metrics`, 0 when the labelled series does not exist yet."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.base_url}/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0

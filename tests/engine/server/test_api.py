@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.engine.server.conftest import MAX_LEN, FinishHookSpy, RunningServer
+from tests.engine.server.conftest import MAX_LEN, FinishHookSpy, RunningServer, metric
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -142,10 +142,10 @@ def test_finished_requests_reach_the_hook(server: RunningServer, hook: FinishHoo
 
 def test_a_failing_hook_does_not_break_the_response(server: RunningServer, hook: FinishHookSpy) -> None:
     hook.fail = True
-    before = _metric(server, "specloop_finish_hook_errors_total")
+    before = metric(server, "specloop_finish_hook_errors_total")
     r = client(server).completions.create(model=server.model, prompt="hi", max_tokens=3, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length")
-    assert _metric(server, "specloop_finish_hook_errors_total") == before + 1
+    assert metric(server, "specloop_finish_hook_errors_total") == before + 1
 
 
 def test_speculation_stats_in_usage_and_metrics(server: RunningServer, spec_server: RunningServer) -> None:
@@ -158,8 +158,8 @@ def test_speculation_stats_in_usage_and_metrics(server: RunningServer, spec_serv
     assert 0 <= s["accepted_tokens"] <= s["draft_tokens"]
     assert s["mean_accepted_length"] == pytest.approx(1 + s["accepted_tokens"] / s["drafts"])
     assert plain.usage.speculation is None
-    assert _metric(spec_server, "specloop_spec_decode_num_drafts_total") >= s["drafts"]
-    assert _metric(spec_server, "specloop_spec_decode_num_accepted_tokens_total") >= s["accepted_tokens"]
+    assert metric(spec_server, "specloop_spec_decode_num_drafts_total") >= s["drafts"]
+    assert metric(spec_server, "specloop_spec_decode_num_accepted_tokens_total") >= s["accepted_tokens"]
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -253,13 +253,13 @@ def test_wrong_routes_and_methods(server: RunningServer) -> None:
 def test_client_disconnect_mid_stream_frees_the_slot(server: RunningServer, hook: FinishHookSpy,
                                                      slow_decode: None) -> None:
     body = {"model": server.model, "messages": HELLO, "stream": True, "temperature": 0, "ignore_eos": True}
-    before = _metric(server, "specloop_requests_total", endpoint="chat.completions", status="499")
+    before = metric(server, "specloop_requests_total", endpoint="chat.completions", status="499")
     with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=10) as r:
         events = (line for line in r.iter_lines() if line)
         assert all(next(events).startswith("data: {") for _ in range(3))
     assert server.wait_idle(), "the aborted request still holds its slot"
     assert hook.calls == [], "an aborted request is not a finished one"
-    assert _metric(server, "specloop_requests_total", endpoint="chat.completions", status="499") == before + 1
+    assert metric(server, "specloop_requests_total", endpoint="chat.completions", status="499") == before + 1
 
 
 def test_client_disconnect_while_waiting_for_a_whole_response(server: RunningServer, hook: FinishHookSpy,
@@ -281,28 +281,16 @@ def test_health_and_ready(server: RunningServer) -> None:
 
 
 def test_metrics_count_requests_tokens_and_latency(server: RunningServer) -> None:
-    before = _metric(server, "specloop_generation_tokens_total")
-    ok = _metric(server, "specloop_requests_total", endpoint="completions", status="200")
+    before = metric(server, "specloop_generation_tokens_total")
+    ok = metric(server, "specloop_requests_total", endpoint="completions", status="200")
     client(server).completions.create(model=server.model, prompt="hi", max_tokens=4, temperature=0,
                                       extra_body={"ignore_eos": True})
     _post(server, "/v1/completions", {"model": server.model, "prompt": "hi", "temperature": 9})
-    assert _metric(server, "specloop_generation_tokens_total") == before + 4
-    assert _metric(server, "specloop_requests_total", endpoint="completions", status="200") == ok + 1
-    assert _metric(server, "specloop_requests_total", endpoint="completions", status="400") >= 1
-    assert _metric(server, "specloop_time_to_first_token_seconds_count", endpoint="completions") >= 1
-    assert _metric(server, "specloop_inter_token_latency_seconds_count") >= 3
-    assert _metric(server, "specloop_kv_cache_slots_total") == server.engine.config.num_slots
-    assert _metric(server, "specloop_num_requests_running") == 0
-    assert _metric(server, "specloop_engine_steps_total") > 0
-
-
-def _metric(server: RunningServer, name: str, **labels: str) -> float:
-    """One sample's value from `/metrics`, 0 when the labelled series does not exist yet."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{server.base_url}/metrics").text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
-    return 0.0
+    assert metric(server, "specloop_generation_tokens_total") == before + 4
+    assert metric(server, "specloop_requests_total", endpoint="completions", status="200") == ok + 1
+    assert metric(server, "specloop_requests_total", endpoint="completions", status="400") >= 1
+    assert metric(server, "specloop_time_to_first_token_seconds_count", endpoint="completions") >= 1
+    assert metric(server, "specloop_inter_token_latency_seconds_count") >= 3
+    assert metric(server, "specloop_kv_cache_slots_total") == server.engine.config.num_slots
+    assert metric(server, "specloop_num_requests_running") == 0
+    assert metric(server, "specloop_engine_steps_total") > 0

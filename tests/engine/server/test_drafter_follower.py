@@ -1,10 +1,16 @@
 """The registry follower against a real MLflow registry (SQLite, local artifacts) and a real engine on a
 tiny model: a champion is checked and swapped in; each kind of bad version is refused by reason and
-leaves the serving drafter in place; an unreachable registry changes nothing and is retried."""
+leaves the serving drafter in place; a config that asks for more than the target allows is refused
+before anything is allocated; an unreachable registry changes nothing and is retried; no exception,
+whatever raises it, ends the follower's thread."""
 
 import asyncio
 import hashlib
+import json
+import resource
 import shutil
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +20,8 @@ from safetensors.torch import load_file, save_file
 
 from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
 from specloop.engine.runtime.sequence import SamplingParams
-from specloop.engine.speculation.drafter_artifact import Lineage, save_drafter
+from specloop.engine.speculation.dflash import DFlashConfig
+from specloop.engine.speculation.drafter_artifact import Lineage, save_drafter, weight_bytes
 from specloop.engine.server.drafter_follower import DrafterFollower
 from specloop.engine.speculation.ngram import NgramProposer
 from specloop.storage.broker import free_port
@@ -167,7 +174,7 @@ def test_a_drafter_for_another_base_model_is_refused(registry: DrafterRegistry, 
     registry.set_alias(fingerprint, CHAMPION, version.version)
     # register() refuses such an artifact itself; one that reaches the engine anyway (another client
     # wrote the registry, a tampered store) is refused there too. Here: its download names another model.
-    artifact(registry.download(version, tmp_path / "cache"), target, OTHER)
+    artifact(registry.download(version, tmp_path / "cache", 1 << 30), target, OTHER)
 
     result = f.check()
 
@@ -203,3 +210,101 @@ def test_an_unreachable_registry_leaves_serving_alone(target, tmp_path: Path, ru
     assert f._backoff_s() == 4.0  # 1, 2, 4 s after the first, second and third failed lookup
     _, version, drafts = served(f.engine, [1, 2, 3, 1, 2, 3])
     assert version is None and drafts > 0  # n-gram lookup still drafts
+
+
+def _asking_for(field: str, value: object):  # noqa: ANN202 - a damage function for the table below
+    def damage(path: Path, target, fingerprint: str) -> None:
+        artifact(path, target, fingerprint)
+        meta = json.loads((path / "drafter.json").read_text())
+        meta["config"][field] = value
+        (path / "drafter.json").write_text(json.dumps(meta))
+    damage.__name__ = f"asking_for_{field}_{value}"
+    return damage
+
+
+# Each would allocate gigabytes or more if built: the tiny target's widths are 32, its depth 4.
+@pytest.mark.parametrize("damage", [
+    _asking_for("num_layers", 100_000), _asking_for("intermediate_size", 1 << 40), _asking_for("max_position", 1 << 40),
+    _asking_for("num_heads", 1 << 30), _asking_for("num_kv_heads", 1 << 30), _asking_for("head_dim", 1 << 30),
+    _asking_for("hidden_size", 1 << 30), _asking_for("output_vocab_size", 1 << 40),
+    _asking_for("num_layers", 2.5), _asking_for("num_layers", "1"), _asking_for("rope_theta", float("nan")),
+    _asking_for("tap_layers", "0123"),
+], ids=lambda d: d.__name__)
+def test_a_config_asking_for_too_much_is_refused_before_allocation(registry: DrafterRegistry, target,
+                                                                   tmp_path: Path, running: list[LLMEngine],
+                                                                   damage) -> None:
+    fingerprint = hashlib.sha256(damage.__name__.encode()).hexdigest()[:16]
+    f = follower(registry, target, tmp_path, fingerprint, Swaps(), running)
+    damage(tmp_path / "bad", target, fingerprint)
+    champion_of(registry, fingerprint, tmp_path / "bad")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+
+    result = f.check()
+
+    assert (result.result, result.reason) == ("refused", "config"), result
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak < 64 << 10  # < 64 MiB more at the peak
+
+
+def test_weights_larger_than_their_config_implies_are_refused_unread(registry: DrafterRegistry, target,
+                                                                     tmp_path: Path, running: list[LLMEngine]) -> None:
+    fingerprint = "5555555555555555"
+    f = follower(registry, target, tmp_path, fingerprint, Swaps(), running)
+    path = artifact(tmp_path / "big", target, fingerprint)
+    most = weight_bytes(DFlashConfig.from_json(json.loads((path / "drafter.json").read_text())["config"]))
+    with open(path / "model.safetensors", "ab") as weights:  # within the download bound, past this config's
+        weights.write(b"\0" * (most - (path / "model.safetensors").stat().st_size + 1))
+    champion_of(registry, fingerprint, path)
+
+    result = f.check()
+
+    assert (result.result, result.reason) == ("refused", "weights") and "more than its config's tensors" in result.detail
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom"), TypeError("bad value"), KeyError("missing"),
+                                   MemoryError(), OSError("disk"), AssertionError("bug")], ids=lambda e: type(e).__name__)
+def test_the_follower_thread_survives_any_exception_and_keeps_following(registry: DrafterRegistry, target,
+                                                                        tmp_path: Path, running: list[LLMEngine],
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        error: Exception) -> None:
+    fingerprint = hashlib.sha256(type(error).__name__.encode()).hexdigest()[:16]
+    swaps = Swaps()
+    f = follower(registry, target, tmp_path, fingerprint, swaps, running)
+    f.poll_s = 0.05
+    label = champion_of(registry, fingerprint, artifact(tmp_path / "a", target, fingerprint))
+    real = registry.champion
+    calls = []
+
+    def failing(base_model: str):  # noqa: ANN202
+        calls.append(base_model)
+        if len(calls) <= 2:
+            raise error
+        return real(base_model)
+
+    monkeypatch.setattr(registry, "champion", failing)
+    monkeypatch.setattr("specloop.engine.server.drafter_follower._BACKOFF_S", (0.05, 0.05))
+    f.start()
+    try:
+        deadline = time.monotonic() + 30
+        while f.engine.drafter_version != label:
+            assert time.monotonic() < deadline and f._thread.is_alive(), (calls, swaps.seen)
+            time.sleep(0.05)
+    finally:
+        f.stop()
+    assert swaps.seen[:2] == [("refused", "error")] * 2 and swaps.seen[-1] == ("ok", None)
+    assert not any(t.name == "drafter-follower" and t is f._thread for t in threading.enumerate())
+
+
+def test_a_version_whose_build_raises_is_refused_once_until_the_alias_moves(registry: DrafterRegistry, target,
+                                                                            tmp_path: Path, running: list[LLMEngine],
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    fingerprint = "6666666666666666"
+    swaps = Swaps()
+    f = follower(registry, target, tmp_path, fingerprint, swaps, running)
+    champion_of(registry, fingerprint, artifact(tmp_path / "a", target, fingerprint))
+    monkeypatch.setattr(f, "_proposer", lambda drafter, version: (_ for _ in ()).throw(RuntimeError("no memory")))
+
+    assert (f.check().result, f.check().result) == ("refused", "refused")
+    assert swaps.seen == [("refused", "error")]  # tried once, not at every poll
+    monkeypatch.undo()
+    moved = champion_of(registry, fingerprint, artifact(tmp_path / "b", target, fingerprint, seed=2))
+    assert f.check().result == "swapped" and f.engine.drafter_version == moved

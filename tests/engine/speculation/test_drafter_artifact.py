@@ -1,5 +1,7 @@
-"""Drafter artifact: round trip, no target weights inside, fingerprint refusal."""
+"""Drafter artifact: round trip, no target weights inside, fingerprint refusal, and the size bounds an
+artifact from a registry is held to."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -7,7 +9,15 @@ import torch
 from safetensors.torch import load_file
 
 from specloop.engine.speculation.dflash import DFlashConfig, DFlashDrafter
-from specloop.engine.speculation.drafter_artifact import Lineage, load_drafter, read_meta, save_drafter
+from specloop.engine.speculation.drafter_artifact import (
+    MAX_CONFIG_BYTES,
+    Lineage,
+    load_drafter,
+    max_artifact_bytes,
+    read_meta,
+    save_drafter,
+    weight_bytes,
+)
 from tests.dflash_helpers import tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.timeout(30)
@@ -48,3 +58,23 @@ def test_missing_or_foreign_directory_is_refused(tmp_path: Path) -> None:
     (tmp_path / "drafter.json").write_text('{"format": "something-else"}')
     with pytest.raises(ValueError, match="format"):
         load_drafter(tmp_path, "fp")
+
+
+@pytest.mark.parametrize("layers, taps, mask_token_id, trimmed", [(1, 2, None, None), (2, 3, 7, 5), (4, 1, None, 60)])
+def test_weight_bytes_bounds_the_tensors_a_config_builds(tmp_path: Path, layers: int, taps: int,
+                                                         mask_token_id: int | None, trimmed: int | None) -> None:
+    config = dataclasses.replace(DFlashConfig.for_target(tiny_target().config, layers, taps, 4, mask_token_id),
+                                 output_vocab_size=trimmed)
+    drafter = DFlashDrafter(config)
+    tensors = sum(t.numel() * max(t.element_size(), 4) for t in drafter.state_dict().values())
+    assert weight_bytes(config) - (1 << 20) == tensors  # exactly the tensors, plus the header allowance
+    save_drafter(tmp_path, drafter, "fp", Lineage("d", 1, 0))
+    assert (tmp_path / "model.safetensors").stat().st_size <= weight_bytes(config)
+    assert weight_bytes(config) + MAX_CONFIG_BYTES <= max_artifact_bytes(tiny_target().config)
+
+
+def test_an_oversized_config_file_is_refused_unread(tmp_path: Path) -> None:
+    save_drafter(tmp_path, tiny_drafter(tiny_target()), "fp", Lineage("d", 1, 0))
+    (tmp_path / "drafter.json").write_text("[" * (MAX_CONFIG_BYTES + 1))
+    with pytest.raises(ValueError, match="larger than"):
+        read_meta(tmp_path)
