@@ -1,9 +1,12 @@
 """The engine loop: continuous batching with optional speculative decoding, on one background thread.
 
-Each `step` admits waiting requests into free KV-cache slots, prefills one chunk budget, or else
-advances every decoding sequence by one pass: a plain one-token decode, or (when a proposer is
-loaded and the request allows it) a verify pass over `[last token, k drafts]` that commits between
-1 and k+1 tokens per sequence. New requests join between steps and finished ones leave, so the
+Each `step` admits waiting requests into free KV-cache slots, prefills at most one chunk of one
+prompt (`max_prefill_tokens`), and advances every decoding sequence by one pass: a plain one-token decode, or (when
+a proposer is loaded and the request allows it) a verify pass over `[last token, k drafts]` that
+commits between 1 and k+1 tokens per sequence. Decoding in every step, prefill or not, bounds what
+new prompts cost the streams already running: with prefill-only steps, 8 clients restarting
+together stalled each other's streams for 1.3 s (8 prompts of ~40 tokens, one after another, on a
+2-core Zen 3) and a flood of short requests multiplied such stalls (benchmarks/abuse.py). New requests join between steps and finished ones leave, so the
 batch changes shape every step.
 
 A sequence with a grammar (structured output) has its logits masked before every sample, verify
@@ -296,15 +299,13 @@ class LLMEngine:
         for seq in expired:
             self._finish(seq, "timeout")
         self.scheduler.admit()
-        chunks = self.scheduler.prefill_chunks()
-        if chunks:
-            results = [r for c in chunks for r in self._prefill(c)]
-        else:
-            seqs = self.scheduler.decoding()
-            plain = [s for s in seqs if not self._speculates(s)]
-            results = [r for d in self._drafters for r in self._verify([s for s in seqs if s.drafter is d
-                                                                       and self._speculates(s)], d.proposer)]
-            results += self._decode(plain) if plain else []
+        seqs = self.scheduler.decoding()  # before prefill: a prompt finishing now samples its first token there
+        chunk = self.scheduler.prefill_chunk()
+        results = self._prefill(chunk) if chunk else []
+        plain = [s for s in seqs if not self._speculates(s)]
+        results += [r for d in self._drafters for r in self._verify([s for s in seqs if s.drafter is d
+                                                                    and self._speculates(s)], d.proposer)]
+        results += self._decode(plain) if plain else []
         self._steps += 1
         self._retire_idle_drafters()
         self._publish_stats()

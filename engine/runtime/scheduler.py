@@ -6,8 +6,9 @@ request came first on a tie: a tenant that floods the queue gets its share of th
 them, and one with a single request waits for one slot to free, not for the flood to drain.
 Sequences still waiting at their deadline leave the queue (`expire`). Admitted sequences are
 prefilled in chunks of at most `max_prefill_tokens` per step, and every sequence whose prompt is
-fully cached decodes together. Prefill goes first so a new request's first token is not held behind
-a long decode run; chunking bounds how long one long prompt can stall the decoders.
+fully cached decodes together, in the same step: chunking bounds how long one long prompt can stall
+the decoders, and decoding every step means a new prompt's first token is not held behind a long
+decode run, nor a running stream behind a queue of prompts.
 
 The scheduler never touches tensors; it only moves `Sequence`s between lists and hands out slots.
 How many may wait, and each tenant's own limits, are the server's (`engine/server/admission.py`).
@@ -84,19 +85,15 @@ class Scheduler:
         if not queue:
             del self._queues[seq.tenant]
 
-    def prefill_chunks(self) -> list[PrefillChunk]:
-        """Pieces of prompts still to cache this step, within the token budget (at least one chunk)."""
-        chunks, budget = [], self.max_prefill_tokens
+    def prefill_chunk(self) -> PrefillChunk | None:
+        """The piece of a prompt to cache this step: of the first admitted sequence still prefilling, at
+        most the token budget. One sequence a step: each chunk is a forward pass of its own that the
+        decoding streams wait for, so two short prompts in one step stall them twice as long."""
         for seq in self.running:
             remaining = len(seq.prompt_ids) - seq.num_cached
-            if remaining <= 0 or seq.output_ids:
-                continue
-            take = min(remaining, budget)
-            if take <= 0:
-                break
-            chunks.append(PrefillChunk(seq, seq.num_cached, seq.num_cached + take))
-            budget -= take
-        return chunks
+            if remaining > 0 and not seq.output_ids:
+                return PrefillChunk(seq, seq.num_cached, seq.num_cached + min(remaining, self.max_prefill_tokens))
+        return None
 
     def decoding(self) -> list[Sequence]:
         """Running sequences whose whole prompt is cached, ordered by slot."""

@@ -1,6 +1,6 @@
 """The scheduler alone: FIFO admission into the lowest free slots, fair between tenants, waiting
-sequences leaving at their deadline, prefill chunks within the token budget, which sequences decode,
-and finishing (slots freed once, waiting requests dropped)."""
+sequences leaving at their deadline, one prompt's chunk a step within the token budget, which
+sequences decode, and finishing (slots freed once, waiting requests dropped)."""
 
 import pytest
 
@@ -106,22 +106,24 @@ def test_has_work_until_everything_is_finished() -> None:
     assert not sched.has_work
 
 
-def test_prefill_chunks_share_the_token_budget_in_admission_order() -> None:
+def prefill_steps(sched: Scheduler) -> list[tuple[Sequence, int, int, bool]]:
+    """Every step's chunk until no prompt is left to cache."""
+    steps = []
+    while (chunk := sched.prefill_chunk()) is not None:
+        steps.append((chunk.seq, chunk.start, chunk.end, chunk.is_last))
+        run_prefill([chunk])
+    return steps
+
+
+def test_one_prompt_is_prefilled_a_step_in_admission_order() -> None:
     sched = Scheduler(num_slots=4, max_prefill_tokens=8)
     a, b, c = seq(5), seq(6), seq(3)
     for s in (a, b, c):
         sched.add(s)
     sched.admit()
-    # Step 1: all of a (5), then 3 of b's 6; c gets nothing.
-    chunks = sched.prefill_chunks()
-    assert spans(chunks) == [(a, 0, 5, True), (b, 0, 3, False)]
-    run_prefill(chunks)
-    # Step 2: the rest of b continues where it stopped, then all of c (3 + 3 <= 8).
-    chunks = sched.prefill_chunks()
-    assert spans(chunks) == [(b, 3, 6, True), (c, 0, 3, True)]
-    run_prefill(chunks)
-    # Step 3: every prompt is cached, so nothing to prefill and everyone decodes.
-    assert sched.prefill_chunks() == []
+    # Never two prompts in one step, even when both would fit the budget: each is a pass of its own.
+    assert prefill_steps(sched) == [(a, 0, 5, True), (b, 0, 6, True), (c, 0, 3, True)]
+    assert sched.prefill_chunk() is None
     assert sched.decoding() == [a, b, c]
 
 
@@ -131,15 +133,8 @@ def test_long_prompt_is_chunked_and_holds_later_prompts_back() -> None:
     sched.add(long)
     sched.add(short)
     sched.admit()
-    steps = []
-    while chunks := sched.prefill_chunks():
-        steps.append(spans(chunks))
-        run_prefill(chunks)
-    assert steps == [
-        [(long, 0, 4, False)],
-        [(long, 4, 8, False)],
-        [(long, 8, 10, True), (short, 0, 2, True)],
-    ]
+    assert prefill_steps(sched) == [(long, 0, 4, False), (long, 4, 8, False), (long, 8, 10, True),
+                                    (short, 0, 2, True)]
 
 
 def test_budget_of_one_token_still_makes_progress() -> None:
@@ -148,11 +143,7 @@ def test_budget_of_one_token_still_makes_progress() -> None:
     sched.add(a)
     sched.add(b)
     sched.admit()
-    steps = []
-    while chunks := sched.prefill_chunks():
-        steps.append(spans(chunks))
-        run_prefill(chunks)
-    assert steps == [[(a, 0, 1, False)], [(a, 1, 2, True)], [(b, 0, 1, True)]]
+    assert prefill_steps(sched) == [(a, 0, 1, False), (a, 1, 2, True), (b, 0, 1, True)]
 
 
 def test_decoding_has_only_fully_prefilled_sequences_ordered_by_slot() -> None:
@@ -161,33 +152,30 @@ def test_decoding_has_only_fully_prefilled_sequences_ordered_by_slot() -> None:
     for s in (a, b, c):
         sched.add(s)
     sched.admit()
-    run_prefill(sched.prefill_chunks())  # a and b fully, c not at all (budget 4)
+    run_prefill([sched.prefill_chunk()])
+    run_prefill([sched.prefill_chunk()])  # a and b fully, c not at all
     assert sched.decoding() == [a, b]
     # a leaves; d takes slot 0 and is admitted after b and c, but only b and c decode.
     sched.finish(a)
     sched.add(d)
     assert sched.admit() == [d] and d.slot == 0
-    chunks = sched.prefill_chunks()
-    assert spans(chunks) == [(c, 0, 2, True), (d, 0, 2, False)]  # b decodes, so it takes no budget
-    run_prefill(chunks)
+    assert spans([sched.prefill_chunk()]) == [(c, 0, 2, True)]  # b decodes, so it is no candidate
+    run_prefill([sched.prefill_chunk()])
     assert sched.decoding() == [b, c]
-    assert spans(sched.prefill_chunks()) == [(d, 2, 6, False)]
-    run_prefill(sched.prefill_chunks())
-    assert spans(sched.prefill_chunks()) == [(d, 6, 9, True)]
-    run_prefill(sched.prefill_chunks())
+    assert prefill_steps(sched) == [(d, 0, 4, False), (d, 4, 8, False), (d, 8, 9, True)]
     # Admission order is [b, c, d], but decode batches follow slots: d sits in slot 0.
     assert sched.decoding() == [d, b, c]
 
 
-def test_aborted_prefill_gives_its_budget_to_the_next_prompt() -> None:
+def test_aborted_prefill_gives_way_to_the_next_prompt() -> None:
     sched = Scheduler(num_slots=2, max_prefill_tokens=4)
     a, b = seq(12), seq(3)
     sched.add(a)
     sched.add(b)
     sched.admit()
-    run_prefill(sched.prefill_chunks())  # a: [0, 4)
+    run_prefill([sched.prefill_chunk()])  # a: [0, 4)
     sched.finish(a)
-    assert spans(sched.prefill_chunks()) == [(b, 0, 3, True)]
+    assert spans([sched.prefill_chunk()]) == [(b, 0, 3, True)]
 
 
 def test_a_free_slot_goes_to_the_tenant_with_the_fewest_running() -> None:
