@@ -73,6 +73,7 @@ class Tag:
     ROLLED_BACK = "rolled_back"  # why this version stopped being champion, when live τ fell
     RUN = "retrain_run"  # the daemon run that produced it
     BOOTSTRAP_FROM = "bootstrap_from"  # the base model whose prompts a first drafter was trained on
+    TAU_CANARY = "tau_canary"  # τ on the canary probes at registration (engine/speculation/canary.py)
 
 
 class Approval(StrEnum):
@@ -442,7 +443,7 @@ def _check_download(directory: Path, v: DrafterVersion) -> None:
 
 def _checked_tags(tags: Mapping[str, str], base_model: str) -> dict[str, str]:
     """`tags` as a dict, refusing values the daemon and engine could not read back."""
-    for key in (Tag.TAU_CHALLENGER, Tag.TAU_CHAMPION):
+    for key in (Tag.TAU_CHALLENGER, Tag.TAU_CHAMPION, Tag.TAU_CANARY):
         if key in tags and not _is_finite_float(tags[key]):
             raise ValueError(f"tags[{key!r}] must be a finite float as a string, got {tags[key]!r}")
     approvals = [a.value for a in Approval]

@@ -46,6 +46,7 @@ from specloop.daemon.retrain.state_db import create_tables
 _DRAFTS = "specloop_spec_decode_num_drafts_total"
 _ACCEPTED = "specloop_spec_decode_num_accepted_tokens_total"
 _SERVING = "specloop_drafter_serving"
+_CANARY = "specloop_drafter_canary_tau"
 
 _metadata = MetaData()
 _samples = Table(
@@ -88,6 +89,7 @@ class EngineSample:
     at: datetime  # timezone-aware
     serving: str  # the version new requests get ("none": n-gram lookup alone)
     counters: Mapping[str, VersionCounters] = field(default_factory=dict)
+    canary_failed: Mapping[str, float] = field(default_factory=dict)  # version -> its live τ on the probes
 
     def __post_init__(self) -> None:
         _require_aware("at", self.at)
@@ -143,6 +145,7 @@ def _parse(url: str, at: datetime, text: str) -> EngineSample:
     drafts: dict[str, int] = {}
     accepted: dict[str, int] = {}
     serving: list[str] = []
+    canary_failed: dict[str, float] = {}
     try:
         for family in text_string_to_metric_families(text):
             for s in family.samples:
@@ -153,12 +156,14 @@ def _parse(url: str, at: datetime, text: str) -> EngineSample:
                     accepted[version] = int(s.value)
                 elif s.name == _SERVING and s.value == 1:
                     serving.append(version)
+                elif s.name == _CANARY and s.labels.get("result") == "fail":
+                    canary_failed[version] = s.value
     except ValueError as e:
         raise EngineUnreachable(f"{url}/metrics is not Prometheus text: {e}") from e
     if len(serving) != 1:
         raise EngineUnreachable(f"{url}/metrics has {len(serving)} {_SERVING} series, not 1: not a specloop engine")
     counters = {v: VersionCounters(d, accepted.get(v, 0)) for v, d in drafts.items()}
-    return EngineSample(url=url, at=at, serving=serving[0], counters=counters)
+    return EngineSample(url=url, at=at, serving=serving[0], counters=counters, canary_failed=canary_failed)
 
 
 class LiveTau:

@@ -35,6 +35,7 @@ from mlflow.entities import DatasetInput, InputTag
 from mlflow.exceptions import MlflowException
 
 from specloop.consent.registry import ConsentRegistry
+from specloop.daemon.evaluation.canary import canary_tau
 from specloop.daemon.retrain import gate as gates
 from specloop.daemon.retrain import promotion
 from specloop.daemon.retrain.bootstrap import bootstrap
@@ -138,8 +139,10 @@ class RetrainRun:
             tau_challenger=contest.tau(CHALLENGER), tau_champion=contest.tau_baseline,
             eval_sequences=contest.sequences, champion_label="none (n-gram)" if champion is None else champion.label)
         log.info("run %s: gate %s: %s", self.run_id, decision.verdict, decision.reason)
+        with self._step("canary"):
+            tau_canary = canary_tau(loop.target, result.artifact)
         with self._step("register"):
-            version = self._register(prepared, contest, decision, result, champion)
+            version = self._register(prepared, contest, decision, result, champion, tau_canary)
         self.loop.runs.step(self.run_id, "registered", self.timings, version.version)
         with self._step("promote"):
             return act_on_gate(loop.registry, loop.history, version, decision, self.run_id)
@@ -191,7 +194,7 @@ class RetrainRun:
                         digest(boot.train), bootstrap_from=boot.source)
 
     def _register(self, prepared: Prepared, contest: Contest, decision: gates.GateDecision, result: Any,
-                  champion: DrafterVersion | None) -> DrafterVersion:
+                  champion: DrafterVersion | None, tau_canary: float) -> DrafterVersion:
         loop = self.loop
         registry = loop.registry
         mlflow_run = registry.start_run(loop.base_model, f"retrain-{self.run_id}", {Tag.RUN: self.run_id})
@@ -207,7 +210,7 @@ class RetrainRun:
             registry.log_run(mlflow_run, params, metrics, [_dataset_input(prepared)])
             tags = {**tau_tags(contest.tau(CHALLENGER), contest.tau_baseline), Tag.EVAL_SET: contest.eval_set,
                     Tag.DATASET: prepared.dataset_digest, Tag.GATE: decision.verdict.value,
-                    Tag.GATE_REASON: decision.reason, Tag.RUN: self.run_id}
+                    Tag.GATE_REASON: decision.reason, Tag.RUN: self.run_id, Tag.TAU_CANARY: f"{tau_canary:.6f}"}
             if decision.verdict is gates.GateVerdict.AWAIT_APPROVAL:
                 tags[Tag.APPROVAL] = Approval.PENDING.value
             if prepared.bootstrap_from is not None:

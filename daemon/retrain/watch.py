@@ -1,5 +1,7 @@
 """The daemon's watch, every few seconds: read live τ from the engines, act on approvals, and judge
-the newest promotion, rolling it back when its live τ fell.
+the newest promotion, rolling it back when its live τ fell, or at once when an engine says it failed
+its canary (it drafted the probes far worse serving than when it was registered; the engine has
+already swapped it out: engine/speculation/canary.py).
 
 An unreachable engine is logged and skipped (the others still count; a down engine serves nothing
 to judge). A promotion is watched until its rollout verdict is final; the verdict is recorded in
@@ -43,6 +45,7 @@ class Watch:
     plotted_at: float = 0.0
     judged: Event | None = None  # the newest promotion whose verdict is final
     unreachable: set[str] = field(default_factory=set)
+    canary_failed: dict[str, str] = field(default_factory=dict)  # version -> which engine, and its τ there
 
     def __call__(self, now: datetime | None = None) -> None:
         now = now or datetime.now(UTC)
@@ -73,6 +76,8 @@ class Watch:
             if url in self.unreachable:
                 log.info("engine %s answers again", url)
                 self.unreachable.discard(url)
+            for version, tau in samples[-1].canary_failed.items():
+                self.canary_failed.setdefault(version, f"engine {url}: live τ {tau:.3f} on the canary probes")
         self.live.record(samples)
 
     def judge(self, now: datetime) -> RolloutDecision | None:
@@ -80,6 +85,12 @@ class Watch:
         return to and has no final verdict yet (None otherwise)."""
         event = self.history.last(self.base_model, Action.PROMOTED, Action.ROLLED_BACK)
         if event is None or event.action is not Action.PROMOTED or event.previous is None or event == self.judged:
+            return None
+        if event.version in self.canary_failed:
+            reason = f"canary failed on {self.canary_failed[event.version]}"
+            promotion.roll_back(self.registry, self.history, self.base_model, event.version.removeprefix("v"),
+                                event.previous.removeprefix("v"), reason)
+            self.judged = event
             return None
         verdict = judge_rollout(Promotion(event.version, event.previous, event.at), self.rollout, self.live, now)
         if verdict.verdict is RolloutVerdict.ROLL_BACK:

@@ -168,6 +168,7 @@ def _follower(settings: ServerSettings, loaded: "LoadedModel", engine: "LLMEngin
               metrics: "ServerMetrics") -> "DrafterFollower":
     """The thread that keeps the engine on the registry's champion drafter for the served model."""
     from specloop.engine.server.drafter_follower import DrafterFollower, probe_text_tokens
+    from specloop.engine.speculation.canary import probe_prompts
     from specloop.storage.registry import DrafterRegistry
 
     kind = settings.proposer_kind()
@@ -176,7 +177,8 @@ def _follower(settings: ServerSettings, loaded: "LoadedModel", engine: "LLMEngin
              settings.registry_poll_s)
     return DrafterFollower(DrafterRegistry(settings.registry), engine, loaded.model, loaded.fingerprint, kind,
                            probe_text_tokens(loaded.tokenizer.encode), settings.drafter_cache_dir,
-                           settings.registry_poll_s, settings.block_size, metrics.record_swap)
+                           settings.registry_poll_s, settings.block_size, metrics.record_swap,
+                           probe_prompts(loaded.tokenizer), metrics.record_canary)
 
 
 def _consent_settings() -> "ConsentSettings":

@@ -11,7 +11,15 @@ downloaded, then checked in stages, each with the reason a refusal is counted un
 | `drafter.json` | `config` | it fits this target (widths, vocabulary, depth, taps) and the engine's longest block |
 | weights | `weights` | the safetensors load into that architecture, every value finite |
 | propose | `propose` | on the engine thread: one propose on a real context gives finite draft logits |
+| canary | `canary` | serving, it drafts the canary probes nearly as well as when it was registered |
 | any | `error` | anything else that raised: a bug, or a version no check foresaw |
+
+The canary (`engine/speculation/canary.py`) runs right after the swap: the probe prompts go through
+the engine greedily, drafted by the new version, and their pooled τ is held against the version's
+`tau_canary` tag. A version that fails is swapped back at once to the drafter it replaced (rebuilt
+from the registry, or n-gram lookup alone), refused like any other, and its τ is exported as
+`specloop_drafter_canary_tau{result="fail"}`, which the daemon reads to roll the alias back. A
+version without the tag (the seeded shipped drafter) is not judged, and the log says so.
 
 A version is untrusted input: the download is bounded by the most a drafter of the served target
 can hold, every dimension of its config by the target's before anything is allocated, and its
@@ -33,6 +41,8 @@ Not here: the registry's names and tags (`storage/registry.py`), the engine's sw
 (`engine/runtime/llm_engine.py`), HTTP (`engine/server/`).
 """
 
+import asyncio
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -44,15 +54,17 @@ from safetensors.torch import load_file
 
 from specloop.engine.model.transformer import Transformer
 from specloop.engine.runtime.llm_engine import LLMEngine
+from specloop.engine.runtime.sequence import SamplingParams, SpecStats
+from specloop.engine.speculation import canary
 from specloop.engine.speculation.build import ProposerKind, build_proposer, dflash_of
 from specloop.engine.speculation.dflash import DFlashConfig, DFlashDrafter
 from specloop.engine.speculation.drafter_artifact import WEIGHTS, max_artifact_bytes, read_meta, weight_bytes
 from specloop.engine.speculation.proposer import Proposer, ServedDrafter
-from specloop.storage.registry import DrafterRegistry, DrafterVersion, RegistryUnavailable
+from specloop.storage.registry import DrafterRegistry, DrafterVersion, RegistryUnavailable, Tag
 
 log = logging.getLogger(__name__)
 
-REASONS = ("download", "fingerprint", "config", "weights", "propose", "error")
+REASONS = ("download", "fingerprint", "config", "weights", "propose", "canary", "error")
 _BACKOFF_S = (1.0, 60.0)  # first retry, longest wait while the registry is unreachable
 _SWAP_TIMEOUT_S = 120.0  # the engine applies a swap between steps; a step takes milliseconds
 
@@ -79,6 +91,8 @@ class CheckResult:
 
 # Called once per swap attempt with ("ok", None) or ("refused", reason).
 SwapRecorder = Callable[[str, str | None], None]
+# Called once per canary run with (version, live τ, passed).
+CanaryRecorder = Callable[[str, float, bool], None]
 
 
 def check_artifact(path: Path, fingerprint: str, target: Transformer, max_block_size: int) -> DFlashDrafter:
@@ -150,7 +164,8 @@ class DrafterFollower:
 
     def __init__(self, registry: DrafterRegistry, engine: LLMEngine, target: Transformer, fingerprint: str,
                  kind: ProposerKind, probe_tokens: list[int], cache_dir: Path, poll_s: float = 30.0,
-                 block_size: int | None = None, record_swap: SwapRecorder | None = None) -> None:
+                 block_size: int | None = None, record_swap: SwapRecorder | None = None,
+                 canary_prompts: list[list[int]] = (), record_canary: CanaryRecorder | None = None) -> None:
         if poll_s <= 0:
             raise ValueError(f"registry poll interval must be > 0 s, got {poll_s}")
         if kind == "ngram":
@@ -160,6 +175,7 @@ class DrafterFollower:
         self.probe_context = ProbeContext(target, probe_tokens)
         self.cache_dir, self.poll_s = cache_dir, poll_s
         self.record_swap = record_swap or (lambda result, reason: None)
+        self.canary_prompts, self.record_canary = list(canary_prompts), record_canary or (lambda *_: None)
         self._refused: str | None = None  # the version refused last; tried again only once the alias moves
         self._lock = threading.Lock()  # one check at a time: the poll thread's or the admin endpoint's
         self._wake = threading.Event()
@@ -213,6 +229,7 @@ class DrafterFollower:
             return self._swap_to(champion)
 
     def _swap_to(self, champion: DrafterVersion) -> CheckResult:
+        previous = self.engine.drafter_version
         try:
             path = self.registry.download(champion, self.cache_dir, max_artifact_bytes(self.target.config))
         except RegistryUnavailable as e:
@@ -238,7 +255,62 @@ class DrafterFollower:
             return self._refuse(champion, DrafterRefused("error", f"drafter {champion.label}: {type(e).__name__}: {e}"))
         self.record_swap("ok", None)
         log.info("drafter %s of %s serving new sequences (%s)", champion.label, self.fingerprint, self.kind)
+        failure = self._canary(champion)
+        if failure is not None:
+            refused = self._refuse(champion, DrafterRefused("canary", f"drafter {champion.label}: {failure}"))
+            self._restore(previous)
+            return dataclasses.replace(refused, serving=self.engine.drafter_version)
         return CheckResult("swapped", served.version if served else None, champion.label)
+
+    def _canary(self, champion: DrafterVersion) -> str | None:
+        """Why the version now serving failed its canary, or None (passed, or no τ to judge it by)."""
+        promoted = champion.tags.get(Tag.TAU_CANARY)
+        if promoted is None or not self.canary_prompts:
+            log.info("drafter %s: no canary τ recorded with it; its canary is not judged", champion.label)
+            return None
+        live = self._probe_tau()
+        failure = canary.judge(live, float(promoted))
+        self.record_canary(champion.label, live, failure is None)
+        log.log(logging.ERROR if failure else logging.INFO, "drafter %s canary: live τ %.3f, %.3f when registered",
+                champion.label, live, float(promoted))
+        return failure
+
+    def _probe_tau(self) -> float:
+        """The canary probes through the engine, greedy, as one batch: their pooled τ."""
+        params = SamplingParams(max_tokens=canary.PROBE_TOKENS, temperature=0.0)
+
+        async def answer(prompt: list[int]) -> SpecStats | None:
+            last = None
+            async for delta in self.engine.stream(prompt, params):
+                last = delta
+            return last.spec if last is not None else None
+
+        async def every() -> list[SpecStats | None]:
+            return await asyncio.wait_for(asyncio.gather(*(answer(p) for p in self.canary_prompts)), _SWAP_TIMEOUT_S)
+
+        return SpecStats.pooled(s for s in asyncio.run(every()) if s is not None).mean_accepted_length
+
+    def _restore(self, label: str | None) -> None:
+        """Serve `label` again (the drafter a failed version replaced), or n-gram lookup alone when it
+        cannot be rebuilt; the canary is not run on it again."""
+        try:
+            if label is not None:
+                version = self.registry.version(self.fingerprint, label.removeprefix("v"))
+                path = self.registry.download(version, self.cache_dir, max_artifact_bytes(self.target.config))
+                drafter = check_artifact(path, self.fingerprint, self.target, self.engine.config.max_block_size)
+                self.engine.swap(self._build(self._proposer(drafter, label), label)).result(timeout=_SWAP_TIMEOUT_S)
+                log.warning("drafter %s serving again", label)
+                return
+        except Exception:  # the registry is down, the version gone: lookup alone is always safe
+            log.exception("drafter %s could not be served again; n-gram lookup alone drafts", label)
+        self.engine.swap(self._lookup_only).result(timeout=_SWAP_TIMEOUT_S)
+
+    def _lookup_only(self, num_slots: int, positions: int) -> ServedDrafter | None:
+        if self.kind != "combined":
+            return None
+        proposer = build_proposer("ngram", self.target, block_size=self.block_size)
+        proposer.allocate(num_slots, positions)
+        return ServedDrafter(proposer, None)
 
     def _proposer(self, drafter: DFlashDrafter, version: str) -> Proposer:
         """Built on this thread, beside the serving proposer (weight packing for the CPU kernels

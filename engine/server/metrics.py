@@ -10,7 +10,7 @@ This file does not time anything itself; callers pass durations and counts in.
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -85,6 +85,9 @@ class ServerMetrics:
                                              ["drafter_version", "position"], registry=r)
         self.drafter_swaps = Counter("specloop_drafter_swaps", "Drafter swaps tried, by result and refusal reason.",
                                      ["result", "reason"], registry=r)
+        self.canary = Gauge("specloop_drafter_canary_tau", "τ of each drafter version on the canary probes right "
+                            "after it was swapped in, and whether it passed (engine/speculation/canary.py).",
+                            ["drafter_version", "result"], registry=r)
         self.limited = Counter("specloop_limited_requests", "Requests refused or ended by a limit, by reason "
                                "(engine/server/admission.py, edge.py).", ["reason"], registry=r)
         self.hook_errors = Counter("specloop_finish_hook_errors", "Finished-request hook calls that raised.",
@@ -119,6 +122,9 @@ class ServerMetrics:
     def record_swap(self, result: str, reason: str | None) -> None:
         """One drafter swap tried: `ok`, or `refused` with its reason (engine/server/drafter_follower.py)."""
         self.drafter_swaps.labels(result=result, reason=reason or "").inc()
+
+    def record_canary(self, version: str, tau: float, passed: bool) -> None:
+        self.canary.labels(drafter_version=version, result="pass" if passed else "fail").set(tau)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

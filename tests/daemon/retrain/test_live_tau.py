@@ -66,6 +66,14 @@ def test_scrape_reads_the_counters_the_server_exports_per_version() -> None:
     assert abs(got.at - datetime.now(UTC)) < timedelta(seconds=30)
 
 
+def test_scrape_reads_the_versions_that_failed_their_canary() -> None:
+    metrics = ServerMetrics(lambda: EngineStats(drafter_version="v4"))
+    metrics.record_canary("v4", 1.43, passed=True)
+    metrics.record_canary("v5", 1.1, passed=False)
+    with serve_in_thread(metrics_app(metrics)) as url:
+        assert scrape(url, timeout_s=5).canary_failed == {"v5": pytest.approx(1.1)}
+
+
 def test_scrape_of_a_closed_port_raises_engine_unreachable() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

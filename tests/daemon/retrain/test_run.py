@@ -29,12 +29,13 @@ def test_a_run_registers_a_fully_tagged_version_and_promotes_it(make_loop: Calla
     run_id, outcome = run(loop)
     record = loop.runs.runs()[-1]
     assert outcome is RunOutcome.PROMOTED, record.detail
-    assert list(record.timings) == ["dataset", "champion", "train", "evaluate", "register", "promote"]
+    assert list(record.timings) == ["dataset", "champion", "train", "evaluate", "canary", "register", "promote"]
     v = loop.registry.champion(loop.base_model)
     assert v.version == "2" and record.version == "2"
     for tag in (Tag.BASE_MODEL, Tag.TAU_CHALLENGER, Tag.TAU_CHAMPION, Tag.EVAL_SET, Tag.DATASET, Tag.GATE,
-                Tag.GATE_REASON, Tag.RUN, Tag.PREVIOUS_CHAMPION):
+                Tag.GATE_REASON, Tag.RUN, Tag.PREVIOUS_CHAMPION, Tag.TAU_CANARY):
         assert v.tags.get(tag), tag
+    assert 1.0 <= float(v.tags[Tag.TAU_CANARY]) <= 16  # τ on the canary probes, for every engine to check
     assert v.tags[Tag.GATE] == "promote" and v.tags[Tag.PREVIOUS_CHAMPION] == "1" and v.tags[Tag.RUN] == run_id
     event = loop.history.last(loop.base_model)
     assert (event.action, event.version, event.previous, event.run_id) == (Action.PROMOTED, "v2", "v1", run_id)
