@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 from specloop.daemon.training.config import TrainConfig
-from specloop.storage.sequences import read_sequences
 from specloop.daemon.training.trainer import Trainer
 from specloop.engine.loaders.load import load_for_inference
+from specloop.storage.sequences import read_sequences
 
 RECIPES = {
     "b16-32anchors-fp32": dict(block_size=16, num_anchors=32),

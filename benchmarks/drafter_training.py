@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from specloop.daemon.training.config import TrainConfig
-from specloop.storage.sequences import read_sequences
 from specloop.daemon.training.trainer import Trainer
 from specloop.engine.loaders.load import load_model
+from specloop.storage.sequences import read_sequences
 
 
 def measure(cfg: TrainConfig, loaded, sequences: list, warmup: int) -> dict:  # noqa: ANN001 (LoadedModel)

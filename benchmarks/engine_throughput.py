@@ -54,8 +54,8 @@ from specloop.engine.runtime.sequence import SamplingParams
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # `benchmarks`; last, so no folder shadows a package
 from benchmarks.machine import describe  # noqa: E402
-from benchmarks.transformers_reference import transformers_llama  # noqa: E402
 from benchmarks.server_process import server_process  # noqa: E402
+from benchmarks.transformers_reference import transformers_llama  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "engine_throughput.json"
 QUESTIONS = [

@@ -24,9 +24,8 @@ import torch
 import specloop.engine.cpu.fused_decode as fused_decode
 from specloop.daemon.evaluation.live import generate_stats
 from specloop.daemon.shipped_drafters import shipped_drafters
-from specloop.daemon.training.prompts import prompt_set
-from specloop.storage.sequences import TokenSequence
 from specloop.daemon.traffic.sender import traffic_split
+from specloop.daemon.training.prompts import prompt_set
 from specloop.engine.loaders.load import load_for_inference, resolve_device
 from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
 from specloop.engine.runtime.sequence import SamplingParams
@@ -34,6 +33,7 @@ from specloop.engine.speculation.combined import CombinedProposer
 from specloop.engine.speculation.dflash_proposer import DFlashProposer
 from specloop.engine.speculation.drafter_artifact import load_drafter
 from specloop.engine.speculation.ngram import NgramProposer
+from specloop.storage.sequences import TokenSequence
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # `benchmarks`; last, so no folder shadows a package
 from benchmarks.machine import describe  # noqa: E402

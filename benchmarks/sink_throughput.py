@@ -43,7 +43,15 @@ from prometheus_client import CollectorRegistry
 
 from specloop.storage.broker import EmbeddedBroker, ensure_topics
 from specloop.storage.layout import write_parquet_atomic
-from specloop.storage.schema import Trace, TraceSampling, TraceSpecStats, decode_row, decode_trace, rows_to_arrow, to_arrow
+from specloop.storage.schema import (
+    Trace,
+    TraceSampling,
+    TraceSpecStats,
+    decode_row,
+    decode_trace,
+    rows_to_arrow,
+    to_arrow,
+)
 from specloop.storage.sink import SinkConfig, TraceSink
 
 RESULTS = Path(__file__).parent / "results" / "sink_throughput.json"

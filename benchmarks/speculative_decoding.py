@@ -44,7 +44,6 @@ from pathlib import Path
 
 import torch
 
-from specloop.storage.sequences import read_sequences
 from specloop.engine.cpu.linear import optimize_for_cpu_inference
 from specloop.engine.loaders.load import build_model, read_stored_model, resolve_device
 from specloop.engine.loaders.stored_model import StoredModel
@@ -58,6 +57,7 @@ from specloop.engine.speculation.dflash_proposer import DFlashProposer
 from specloop.engine.speculation.drafter_artifact import load_drafter
 from specloop.engine.speculation.ngram import NgramProposer
 from specloop.engine.speculation.proposer import Proposer
+from specloop.storage.sequences import read_sequences
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # `benchmarks`; last, so no folder shadows a package
 from benchmarks.machine import describe  # noqa: E402

@@ -1,10 +1,11 @@
 """Tenant policies from YAML, and the mapping from a bearer API key to its tenant.
 
 A tenant says whether its traffic may be captured at all, for which purpose and under which policy
-version, may override the PII mode, and may be held to limits of its own (`TenantLimits`). Keys are kept only as SHA-256 digests once loaded and are
-compared in constant time. Without a tenants file (`make run`) every request belongs to the
-anonymous tenant, which is never captured. This module does not check consent or authenticate the
-admin API; see `deploy/tenants.example.yaml` for the format.
+version, may override the PII mode, and may be held to limits of its own (`TenantLimits`). Keys are
+kept only as SHA-256 digests once loaded and are compared in constant time. Without a tenants file
+(`make run`) every request belongs to the anonymous tenant, which is never captured. This module
+does not check consent or authenticate the admin API; see `deploy/tenants.example.yaml` for the
+format.
 """
 
 import hashlib

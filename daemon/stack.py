@@ -180,7 +180,9 @@ def _start_demo_traffic(stack: ExitStack, engine_url: str, key: str, admin_token
     command = specloop_command("replay", "--url", engine_url, "--source", prompts, "--api-key", key, "--tenant",
                                DEMO_TENANT, "--users", "8", "--concurrency", str(_DEMO_CONCURRENCY), "--max-tokens",
                                "192", "--repeat", "--record", str(out / "traffic.jsonl"), "--dead-after-s",
-                               str(_DEMO_WAIT_S)) + ([] if daemon_url is None else ["--pause-while-training", daemon_url])
+                               str(_DEMO_WAIT_S))
+    if daemon_url is not None:
+        command += ["--pause-while-training", daemon_url]
     _child(stack, "demo traffic", command, None, env={**os.environ, "SPECLOOP_ADMIN_TOKEN": admin_token})
 
 

@@ -3,12 +3,12 @@ target's greedy answers as stored data."""
 
 import torch
 
-from specloop.storage.sequences import TokenSequence
 from specloop.engine.model.config import ModelConfig
 from specloop.engine.model.transformer import Transformer
 from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
 from specloop.engine.runtime.sequence import SamplingParams
 from specloop.engine.speculation.dflash import DFlashConfig, DFlashDrafter
+from specloop.storage.sequences import TokenSequence
 
 
 def tiny_target(seed: int = 0, vocab: int = 64, layers: int = 6, hidden: int = 32) -> Transformer:

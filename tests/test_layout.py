@@ -243,7 +243,8 @@ def written_texts() -> Iterator[tuple[Path, str]]:
                 if doc := ast.get_docstring(node, clean=False):
                     yield path, doc
         yield path, "\n".join(line[line.index("#"):] for line in source.splitlines() if "#" in line)
-    for path in sorted([*ROOT.glob("*.md"), *ROOT.glob("docs/*.md"), *(p for pkg in OURS for p in (ROOT / pkg).rglob("*.md"))]):
+    markdown = [*ROOT.glob("*.md"), *ROOT.glob("docs/*.md"), *(p for pkg in OURS for p in (ROOT / pkg).rglob("*.md"))]
+    for path in sorted(markdown):
         yield path, path.read_text()
 
 

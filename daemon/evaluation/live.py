@@ -14,11 +14,11 @@ This file does not build proposers or compare them (`daemon/evaluation/replay.py
 
 import time
 
-from specloop.storage.sequences import TokenSequence
 from specloop.engine.model.transformer import Transformer
 from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
 from specloop.engine.runtime.sequence import SamplingParams, SpecStats
 from specloop.engine.speculation.proposer import Proposer
+from specloop.storage.sequences import TokenSequence
 
 
 def generate_stats(target: Transformer, proposer: Proposer, sequences: list[TokenSequence],

@@ -26,13 +26,13 @@ from pathlib import Path
 import torch
 
 from specloop.daemon.evaluation.live import generate_stats
-from specloop.storage.sequences import TokenSequence, digest
 from specloop.engine.model.transformer import Transformer
 from specloop.engine.speculation.combined import CombinedProposer
 from specloop.engine.speculation.dflash_proposer import DFlashProposer
 from specloop.engine.speculation.drafter_artifact import load_drafter
 from specloop.engine.speculation.ngram import NgramProposer
 from specloop.engine.speculation.proposer import Proposer
+from specloop.storage.sequences import TokenSequence, digest
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from specloop.storage.sequences import TokenSequence
 from specloop.engine.loaders.load import LoadedModel
 from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
 from specloop.engine.runtime.sequence import SamplingParams
 from specloop.storage.dataset import DatasetManifest, build_dataset
 from specloop.storage.layout import base_models
+from specloop.storage.sequences import TokenSequence
 
 log = logging.getLogger(__name__)
 

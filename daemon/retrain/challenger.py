@@ -29,11 +29,11 @@ from pathlib import Path
 from specloop.daemon.child_command import SAFE_PATH_ENV
 from specloop.daemon.retrain.policy import Training
 from specloop.daemon.training.config import TrainConfig
-from specloop.storage.sequences import TokenSequence, write_jsonl
 from specloop.daemon.training.trainer import Trainer, TrainResult
 from specloop.engine.loaders.weight_format import DENSE, WeightFormat
 from specloop.engine.model.transformer import Transformer
 from specloop.storage.child_process import die_with_parent
+from specloop.storage.sequences import TokenSequence, write_jsonl
 
 log = logging.getLogger(__name__)
 

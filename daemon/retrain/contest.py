@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specloop.daemon.evaluation.replay import ReplayStats, replay
-from specloop.storage.sequences import TokenSequence, digest
 from specloop.engine.model.transformer import Transformer
 from specloop.engine.speculation.build import build_proposer
 from specloop.engine.speculation.drafter_artifact import load_drafter
 from specloop.engine.speculation.proposer import Proposer
+from specloop.storage.sequences import TokenSequence, digest
 
 log = logging.getLogger(__name__)
 

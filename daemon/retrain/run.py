@@ -43,13 +43,13 @@ from specloop.daemon.retrain.challenger import RunStopped, train_challenger, tra
 from specloop.daemon.retrain.contest import CHALLENGER, Contest, run_contest
 from specloop.daemon.retrain.history import Action, PromotionHistory
 from specloop.daemon.retrain.policy import RetrainPolicy
-from specloop.daemon.retrain.run_log import RunOutcome, RunLog
+from specloop.daemon.retrain.run_log import RunLog, RunOutcome
 from specloop.daemon.retrain.settings import DaemonSettings
-from specloop.storage.sequences import TokenSequence, digest
 from specloop.engine.loaders.load import LoadedModel
 from specloop.engine.speculation.drafter_artifact import max_artifact_bytes, read_meta
 from specloop.storage.dataset import DatasetManifest, build_dataset
 from specloop.storage.registry import Approval, DrafterRegistry, DrafterVersion, RegistryUnavailable, Tag, tau_tags
+from specloop.storage.sequences import TokenSequence, digest
 
 log = logging.getLogger(__name__)
 

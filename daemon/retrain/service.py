@@ -39,7 +39,7 @@ from specloop.daemon.retrain.live_tau import LiveTau
 from specloop.daemon.retrain.metrics import DaemonMetrics
 from specloop.daemon.retrain.policy import RetrainPolicy, Schedule
 from specloop.daemon.retrain.run import Loop, RetrainRun, new_run_id, resume_promotion
-from specloop.daemon.retrain.run_log import RunOutcome, RunLog
+from specloop.daemon.retrain.run_log import RunLog, RunOutcome
 from specloop.daemon.retrain.settings import DaemonSettings
 from specloop.daemon.retrain.state_db import open_state
 from specloop.daemon.retrain.status import tick_job_id

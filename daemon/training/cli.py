@@ -132,8 +132,8 @@ def train_drafter(
 ) -> None:
     """Train a DFlash drafter on the target's own outputs and write the artifact to OUT."""
     from specloop.daemon.training import distributed
-    from specloop.storage.sequences import read_sequences
     from specloop.daemon.training.trainer import Trainer
+    from specloop.storage.sequences import read_sequences
 
     try:
         cfg = _train_config(out, config, options)
@@ -181,8 +181,8 @@ def eval_drafter(
     """Tau and per-position acceptance on stored target outputs: replayed, and with --generate also
     measured by real speculative generation."""
     from specloop.daemon.evaluation.replay import compare
-    from specloop.storage.sequences import read_sequences
     from specloop.engine.speculation.drafter_artifact import read_meta
+    from specloop.storage.sequences import read_sequences
 
     try:
         sequences = read_sequences(data)[:limit]

@@ -20,10 +20,10 @@ from dataclasses import asdict
 import torch
 
 from specloop.daemon.training.config import TrainConfig
-from specloop.storage.sequences import TokenSequence
 from specloop.engine.model.transformer import Transformer
 from specloop.engine.speculation.dflash import DFlashConfig, DFlashDrafter
 from specloop.engine.speculation.drafter_artifact import load_drafter
+from specloop.storage.sequences import TokenSequence
 
 
 def build_drafter(cfg: TrainConfig, target: Transformer, train: list[TokenSequence]) -> DFlashDrafter:

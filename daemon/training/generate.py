@@ -60,10 +60,10 @@ def generate(
     import torch
 
     from specloop.daemon.training.prompts import prompt_set
-    from specloop.storage.sequences import TokenSequence, append_jsonl, digest, read_sequences, split_heldout
     from specloop.engine.loaders.load import load_for_inference, resolve_device
     from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
     from specloop.engine.runtime.sequence import SamplingParams
+    from specloop.storage.sequences import TokenSequence, append_jsonl, digest, read_sequences, split_heldout
 
     if dtype not in ("float32", "bfloat16"):
         raise typer.BadParameter(f"--dtype must be float32 or bfloat16, got {dtype!r}")

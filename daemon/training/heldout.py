@@ -16,10 +16,10 @@ import torch
 
 from specloop.daemon.training.config import TrainConfig
 from specloop.daemon.training.objective import Batch, BlockLoss
-from specloop.storage.sequences import TokenSequence
 from specloop.daemon.training.target_features import with_target_features
 from specloop.engine.model.transformer import Transformer
 from specloop.engine.speculation.dflash import DFlashDrafter
+from specloop.storage.sequences import TokenSequence
 
 log = logging.getLogger(__name__)
 

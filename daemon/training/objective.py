@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from specloop.daemon.training.config import TrainConfig
-from specloop.storage.sequences import TokenSequence
 from specloop.engine.model.transformer import Transformer
 from specloop.engine.speculation.dflash import DFlashDrafter, SeparateBlocks, context_mask
 from specloop.kernels.cpu_decode import cpu_plan
+from specloop.storage.sequences import TokenSequence
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from specloop.daemon.training.config import TrainConfig
 from specloop.daemon.training.feature_store import Features, FeatureStore
 from specloop.daemon.training.objective import Batch
-from specloop.storage.sequences import TokenSequence
 from specloop.engine.model.transformer import Transformer
+from specloop.storage.sequences import TokenSequence
 
 
 @torch.no_grad()

@@ -44,10 +44,10 @@ from specloop.daemon.training.drafter_init import build_drafter
 from specloop.daemon.training.heldout import Evaluation
 from specloop.daemon.training.objective import BlockLoss
 from specloop.daemon.training.optimizer_step import OptimizerStep
-from specloop.storage.sequences import TokenSequence
 from specloop.daemon.training.target_features import TargetFeatures
 from specloop.engine.model.transformer import Transformer
 from specloop.engine.speculation.drafter_artifact import Lineage, read_meta, save_drafter
+from specloop.storage.sequences import TokenSequence
 
 log = logging.getLogger(__name__)
 

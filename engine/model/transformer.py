@@ -16,8 +16,8 @@ from torch import nn
 
 from specloop.engine.model.attention import attend
 from specloop.engine.model.config import ModelConfig
-from specloop.engine.model.rope import apply_rope, rope_tables
 from specloop.engine.model.kv_cache import AttnBatch, KVCache
+from specloop.engine.model.rope import apply_rope, rope_tables
 
 
 class RMSNorm(nn.Module):

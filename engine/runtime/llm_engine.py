@@ -1,13 +1,14 @@
 """The engine loop: continuous batching with optional speculative decoding, on one background thread.
 
 Each `step` admits waiting requests into free KV-cache slots, prefills at most one chunk of one
-prompt (`max_prefill_tokens`), and advances every decoding sequence by one pass: a plain one-token decode, or (when
-a proposer is loaded and the request allows it) a verify pass over `[last token, k drafts]` that
-commits between 1 and k+1 tokens per sequence. Decoding in every step, prefill or not, bounds what
-new prompts cost the streams already running: with prefill-only steps, 8 clients restarting
-together stalled each other's streams for 1.3 s (8 prompts of ~40 tokens, one after another, on a
-2-core Zen 3) and a flood of short requests multiplied such stalls (benchmarks/abuse.py). New requests join between steps and finished ones leave, so the
-batch changes shape every step.
+prompt (`max_prefill_tokens`), and advances every decoding sequence by one pass: a plain one-token
+decode, or (when a proposer is loaded and the request allows it) a verify pass over `[last token, k
+drafts]` that commits between 1 and k+1 tokens per sequence. Decoding in every step, prefill or not,
+bounds what new prompts cost the streams already running: with prefill-only steps, 8 clients
+restarting together stalled each other's streams for 1.3 s (8 prompts of ~40 tokens, one after
+another, on a 2-core Zen 3) and a flood of short requests multiplied such stalls
+(benchmarks/abuse.py). New requests join between steps and finished ones leave, so the batch changes
+shape every step.
 
 A sequence with a grammar (structured output) has its logits masked before every sample, verify
 rows included (`engine/runtime/grammar.py` says why that stays exact); one that asks for

@@ -10,8 +10,8 @@ from collections.abc import Sequence as Seq
 import torch
 
 from specloop.engine.model.attention import cache_dtype
-from specloop.engine.model.transformer import Transformer
 from specloop.engine.model.kv_cache import AttnBatch, KVCache
+from specloop.engine.model.transformer import Transformer
 from specloop.engine.runtime.sequence import Sequence
 
 

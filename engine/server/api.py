@@ -12,13 +12,13 @@ body is read), admission may refuse it from the headers (429, `admission.py`), a
 `max_body_bytes` is a 413. Without a tenants file every request is tenant `anonymous`, never
 captured, whatever key the client sends (the openai client always sends one). A route then bounds
 the prompt's characters before it templates and tokenizes it, off the event loop (as it compiles a
-JSON schema, once per request and cached by digest), and reserves the request's sequences and
-tokens with admission before the engine sees it (`limits.py`; docs/api.md, "Limits"). A request
-that waits for a slot past the queue timeout is a 503 with `Retry-After`. The subject whose consent decides capture is the
-`X-Specloop-User` header when present, else the body's `user` field: the header is what a
-gateway in front of the application sets after authenticating the end user, so it is trusted
-over what the application put in the body. `/health`, `/ready` and `/metrics` are open;
-routers in `extra_routers` (the consent admin API) bring their own authentication.
+JSON schema, once per request and cached by digest), and reserves the request's sequences and tokens
+with admission before the engine sees it (`limits.py`; docs/api.md, "Limits"). A request that waits
+for a slot past the queue timeout is a 503 with `Retry-After`. The subject whose consent decides
+capture is the `X-Specloop-User` header when present, else the body's `user` field: the header is
+what a gateway in front of the application sets after authenticating the end user, so it is trusted
+over what the application put in the body. `/health`, `/ready` and `/metrics` are open; routers in
+`extra_routers` (the consent admin API) bring their own authentication.
 
 The app owns the engine's thread: its lifespan starts the engine when the server starts and stops
 it at shutdown, after uvicorn has let in-flight requests finish, then runs the `on_shutdown`
@@ -43,6 +43,10 @@ from specloop.engine.loaders.load import LoadedModel
 from specloop.engine.runtime.grammar import Grammar, GrammarCompiler
 from specloop.engine.runtime.llm_engine import LLMEngine, PromptTooLong
 from specloop.engine.runtime.sequence import SamplingParams, SpecStats
+from specloop.engine.server.admission import Admission, Ticket
+from specloop.engine.server.edge import Edge
+from specloop.engine.server.errors import APIError
+from specloop.engine.server.limits import RequestLimits
 from specloop.engine.server.logprobs_format import chat_logprobs, completion_logprobs, prompt_entries
 from specloop.engine.server.metrics import CONTENT_TYPE, ServerMetrics
 from specloop.engine.server.protocol import (
@@ -66,10 +70,6 @@ from specloop.engine.server.protocol import (
     new_id,
     now,
 )
-from specloop.engine.server.admission import Admission, Ticket
-from specloop.engine.server.edge import Edge
-from specloop.engine.server.errors import APIError
-from specloop.engine.server.limits import RequestLimits
 from specloop.engine.server.serving import (
     EngineFailed,
     FinishHook,

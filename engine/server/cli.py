@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from specloop.consent.settings import ConsentSettings
     from specloop.engine.loaders.load import LoadedModel
     from specloop.engine.runtime.llm_engine import LLMEngine
-    from specloop.engine.server.metrics import ServerMetrics
     from specloop.engine.server.drafter_follower import DrafterFollower
+    from specloop.engine.server.metrics import ServerMetrics
     from specloop.engine.speculation.proposer import Proposer
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,8 @@
 Kinds: `ngram` (prompt lookup, no drafter), `dflash` (the drafter alone) and `combined` (n-gram
 lookup where it matched at least 3 tokens, the drafter elsewhere). `specloop serve` builds one at
 start-up and the registry follower builds one for every new champion, both through `build_proposer`.
-Not here: reading artifacts (`drafter_artifact.py`) or deciding which drafter serves (`engine/server/drafter_follower.py`).
+Not here: reading artifacts (`drafter_artifact.py`) or deciding which drafter serves
+(`engine/server/drafter_follower.py`).
 """
 
 from typing import Literal

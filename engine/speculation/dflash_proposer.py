@@ -23,8 +23,8 @@ from torch import nn
 from specloop.engine.cpu.fused_decode import fused_drafter
 from specloop.engine.cpu.linear import for_cpu_inference, optimize_for_cpu_inference
 from specloop.engine.model.attention import cache_dtype
-from specloop.engine.model.transformer import Transformer
 from specloop.engine.model.kv_cache import AttnBatch, KVCache
+from specloop.engine.model.transformer import Transformer
 from specloop.engine.speculation.dflash import DFlashDrafter
 from specloop.engine.speculation.proposer import Proposer
 

@@ -8,8 +8,8 @@ import torch
 
 from specloop.daemon.shipped_drafters import SHIPPED, seed_registry, shipped_drafters
 from specloop.engine.loaders.load import LoadedModel
-from specloop.engine.speculation.drafter_artifact import Lineage, save_drafter
 from specloop.engine.server.drafter_follower import check_artifact
+from specloop.engine.speculation.drafter_artifact import Lineage, save_drafter
 from specloop.storage.registry import CHAMPION, DrafterRegistry
 from tests.dflash_helpers import tiny_drafter, tiny_target
 

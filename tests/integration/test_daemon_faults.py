@@ -14,7 +14,7 @@ import pytest
 
 from specloop.consent.registry import ConsentRegistry
 from specloop.daemon.child_command import specloop_command
-from specloop.daemon.retrain.run_log import RunOutcome, RunLog
+from specloop.daemon.retrain.run_log import RunLog, RunOutcome
 from specloop.daemon.retrain.state_db import open_state
 from specloop.engine.loaders.load import LoadedModel
 from specloop.storage.broker import free_port

@@ -8,11 +8,11 @@ import torch
 
 import specloop.daemon.evaluation.replay as replay_module
 from specloop.daemon.evaluation.replay import compare, replay
-from specloop.storage.sequences import TokenSequence
 from specloop.engine.speculation.combined import CombinedProposer
 from specloop.engine.speculation.dflash_proposer import DFlashProposer
 from specloop.engine.speculation.ngram import NgramProposer
 from specloop.engine.speculation.proposer import StatelessProposer
+from specloop.storage.sequences import TokenSequence
 from tests.dflash_helpers import greedy_outputs, tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.timeout(60)

@@ -17,9 +17,9 @@ from specloop.daemon.retrain.challenger import RunStopped, early_stopping_fracti
 from specloop.daemon.retrain.policy import Training
 from specloop.daemon.training import cli as training_cli
 from specloop.daemon.training.config import TrainConfig
-from specloop.storage.sequences import TokenSequence
 from specloop.engine.loaders.load import LoadedModel
 from specloop.engine.speculation.drafter_artifact import read_meta
+from specloop.storage.sequences import TokenSequence
 from tests.dflash_helpers import greedy_outputs
 
 TRAINING = Training(max_steps=6, batch_size=2, anchors=8, block_size=4)

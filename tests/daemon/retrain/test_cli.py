@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from specloop.daemon.retrain import cli
 from specloop.daemon.retrain.history import Action, PromotionHistory
 from specloop.daemon.retrain.promotion import await_approval, settle_approval
-from specloop.daemon.retrain.run_log import RunOutcome, RunLog
+from specloop.daemon.retrain.run_log import RunLog, RunOutcome
 from specloop.daemon.retrain.state_db import open_state
 from specloop.engine.speculation.drafter_artifact import Lineage, save_drafter
 from specloop.storage.registry import CHALLENGER, CHAMPION, Approval, DrafterRegistry, Tag

@@ -8,8 +8,8 @@ import typer
 from typer.testing import CliRunner
 
 from specloop.daemon.retrain import cli
-from specloop.daemon.stack import POLICIES
 from specloop.daemon.retrain.policy import PolicyError, RetrainPolicy, load_policy, parse_policy
+from specloop.daemon.stack import POLICIES
 
 EXAMPLES = sorted(POLICIES.glob("*.yaml"))
 

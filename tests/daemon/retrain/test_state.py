@@ -10,7 +10,7 @@ import pytest
 
 from specloop.daemon.retrain.history import Action, PromotionHistory
 from specloop.daemon.retrain.lease import Lease, LeaseHeld
-from specloop.daemon.retrain.run_log import RunOutcome, RunLog
+from specloop.daemon.retrain.run_log import RunLog, RunOutcome
 from specloop.daemon.retrain.state_db import open_state
 
 

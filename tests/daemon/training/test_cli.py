@@ -12,10 +12,10 @@ from typer.testing import CliRunner
 
 from specloop.daemon.cli import app as specloop
 from specloop.daemon.training import cli as training_cli
-from specloop.storage.sequences import TokenSequence, write_jsonl
 from specloop.engine.loaders.load import LoadedModel, load_model
 from specloop.engine.loaders.weight_format import WeightFormat
 from specloop.engine.speculation.drafter_artifact import read_meta
+from specloop.storage.sequences import TokenSequence, write_jsonl
 
 pytestmark = pytest.mark.timeout(300)
 

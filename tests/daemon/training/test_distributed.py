@@ -16,11 +16,11 @@ from safetensors.torch import load_file
 from specloop.daemon.child_command import SAFE_PATH_ENV
 from specloop.daemon.training import distributed
 from specloop.daemon.training.checkpoint import CHECKPOINT
-from specloop.storage.sequences import write_jsonl
 from specloop.daemon.training.trainer import Trainer
 from specloop.engine.loaders.load import load_model
 from specloop.engine.loaders.weight_format import DENSE
 from specloop.engine.speculation.drafter_artifact import CONFIG, WEIGHTS, read_meta
+from specloop.storage.sequences import write_jsonl
 from tests.daemon.training.test_trainer import config, cycling
 from tests.dflash_helpers import greedy_outputs, tiny_target
 

@@ -7,9 +7,9 @@ import torch
 from typer.testing import CliRunner
 
 from specloop.daemon.cli import app
-from specloop.storage.sequences import read_sequences
 from specloop.engine.loaders.load import load_model
 from specloop.engine.loaders.weight_format import WeightFormat
+from specloop.storage.sequences import read_sequences
 
 
 def test_generate_writes_a_disjoint_train_and_heldout_split(tiny_llama_dir: Path, tmp_path: Path) -> None:

@@ -9,10 +9,10 @@ import torch
 from specloop.daemon.training.config import TrainConfig
 from specloop.daemon.training.objective import Batch, block_labels, sample_anchors
 from specloop.daemon.training.optimizer_step import lr_factor
-from specloop.storage.sequences import TokenSequence
 from specloop.daemon.training.trainer import Trainer
 from specloop.engine.speculation.dflash_proposer import DFlashProposer
 from specloop.engine.speculation.drafter_artifact import load_drafter, read_meta
+from specloop.storage.sequences import TokenSequence
 from tests.dflash_helpers import tiny_target
 
 pytestmark = pytest.mark.timeout(120)

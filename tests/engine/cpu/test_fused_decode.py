@@ -20,8 +20,8 @@ from specloop.engine.cpu.fused_decode import MAX_ROWS, FusedDecoder, FusedDrafte
 from specloop.engine.cpu.linear import optimize_for_cpu_inference
 from specloop.engine.loaders.load import load_model
 from specloop.engine.model.config import ModelConfig
-from specloop.engine.model.transformer import Transformer
 from specloop.engine.model.kv_cache import AttnBatch, KVCache
+from specloop.engine.model.transformer import Transformer
 from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
 from specloop.engine.runtime.sampler import SamplingParams
 from specloop.engine.speculation.dflash import DFlashDrafter

@@ -13,10 +13,10 @@ from specloop.engine.cpu.fused_decode import supports
 from specloop.engine.cpu.linear import FP4_ROWS, CpuNvfp4Linear, optimize_for_cpu_inference
 from specloop.engine.loaders.load import load_model
 from specloop.engine.model.config import ModelConfig
+from specloop.engine.model.kv_cache import AttnBatch, KVCache
 from specloop.engine.model.nvfp4_embedding import Nvfp4Embedding
 from specloop.engine.model.nvfp4_linear import Nvfp4Linear, apply_nvfp4, linear_modules
 from specloop.engine.model.transformer import Transformer
-from specloop.engine.model.kv_cache import AttnBatch, KVCache
 from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
 from specloop.engine.runtime.sampler import SamplingParams
 from specloop.engine.speculation.dflash_proposer import DFlashProposer

@@ -15,8 +15,8 @@ import torch
 
 from specloop.engine.cpu.linear import optimize_for_cpu_inference
 from specloop.engine.loaders.load import LoadedModel, load_model
-from specloop.engine.model.transformer import Transformer
 from specloop.engine.model.kv_cache import AttnBatch, KVCache
+from specloop.engine.model.transformer import Transformer
 
 CPU = torch.device("cpu")
 NEW_TOKENS = 64

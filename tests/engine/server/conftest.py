@@ -78,7 +78,8 @@ def serving(loaded: LoadedModel, proposer: Proposer | None, tenants: TenantDirec
                                  **overrides})
     engine = LLMEngine(loaded.model, settings.engine_config(), loaded.tokenizer.eos_token_ids, proposer)
     hook = FinishHookSpy()
-    with serve_in_thread(build_app(loaded, engine, settings, on_finish=hook, tenants=tenants), send_buffer=send_buffer) as url:
+    app = build_app(loaded, engine, settings, on_finish=hook, tenants=tenants)
+    with serve_in_thread(app, send_buffer=send_buffer) as url:
         yield RunningServer(url, engine, loaded, hook)
 
 

@@ -4,11 +4,11 @@ and token budgets refilling over a minute, and tickets giving back what they did
 import pytest
 
 from specloop.consent.tenants import TenantLimits, TenantPolicy
+from specloop.engine.runtime.llm_engine import EngineStats
 from specloop.engine.server.admission import Admission, Bucket
 from specloop.engine.server.errors import APIError
 from specloop.engine.server.limits import RequestLimits
 from specloop.engine.server.metrics import ServerMetrics
-from specloop.engine.runtime.llm_engine import EngineStats
 
 LIMITS = RequestLimits(max_body_bytes=1 << 20, max_prompt_chars=1000, max_request_tokens=1000, max_schema_bytes=1024,
                        max_schema_depth=8, max_waiting=2, send_timeout_s=30)

@@ -11,8 +11,8 @@ from fastapi.testclient import TestClient
 
 from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
 from specloop.engine.server.drafter_admin import build_drafter_admin_router
-from specloop.engine.speculation.drafter_artifact import Lineage, save_drafter
 from specloop.engine.server.drafter_follower import DrafterFollower
+from specloop.engine.speculation.drafter_artifact import Lineage, save_drafter
 from specloop.engine.speculation.ngram import NgramProposer
 from specloop.storage.broker import free_port
 from specloop.storage.registry import CHAMPION, DrafterRegistry

@@ -20,9 +20,9 @@ from safetensors.torch import load_file, save_file
 
 from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
 from specloop.engine.runtime.sequence import SamplingParams
+from specloop.engine.server.drafter_follower import DrafterFollower
 from specloop.engine.speculation.dflash import DFlashConfig
 from specloop.engine.speculation.drafter_artifact import Lineage, save_drafter, weight_bytes
-from specloop.engine.server.drafter_follower import DrafterFollower
 from specloop.engine.speculation.ngram import NgramProposer
 from specloop.storage.broker import free_port
 from specloop.storage.registry import CHAMPION, DrafterRegistry
@@ -257,11 +257,12 @@ def test_weights_larger_than_their_config_implies_are_refused_unread(registry: D
 
     result = f.check()
 
-    assert (result.result, result.reason) == ("refused", "weights") and "more than its config's tensors" in result.detail
+    assert (result.result, result.reason) == ("refused", "weights")
+    assert "more than its config's tensors" in result.detail
 
 
-@pytest.mark.parametrize("error", [RuntimeError("boom"), TypeError("bad value"), KeyError("missing"),
-                                   MemoryError(), OSError("disk"), AssertionError("bug")], ids=lambda e: type(e).__name__)
+@pytest.mark.parametrize("error", [RuntimeError("boom"), TypeError("bad value"), KeyError("missing"), MemoryError(),
+                                   OSError("disk"), AssertionError("bug")], ids=lambda e: type(e).__name__)
 def test_the_follower_thread_survives_any_exception_and_keeps_following(registry: DrafterRegistry, target,
                                                                         tmp_path: Path, running: list[LLMEngine],
                                                                         monkeypatch: pytest.MonkeyPatch,

@@ -14,7 +14,7 @@ import pytest
 from specloop.consent.tenants import TenantDirectory, TenantLimits, TenantPolicy
 from specloop.engine.loaders.load import LoadedModel
 from specloop.engine.server.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from tests.engine.server.conftest import MAX_LEN, NUM_SLOTS, RunningServer, metric, serving
+from tests.engine.server.conftest import NUM_SLOTS, RunningServer, metric, serving
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -114,7 +114,8 @@ def test_stop_strings_are_bounded(limited: RunningServer, stop: list[str], messa
 def test_a_prompt_over_its_characters_is_refused_before_it_is_tokenized(limited: RunningServer) -> None:
     messages = [{"role": "user", "content": "é" * 1500}, {"role": "user", "content": "x" * 501}]
     err = _error(_post(limited, _body(limited, messages=messages), KEYS["steady"]), 400)
-    assert err["param"] == "messages" and err["code"] == "context_length_exceeded" and "2001 characters" in err["message"]
+    assert (err["param"], err["code"]) == ("messages", "context_length_exceeded")
+    assert "2001 characters" in err["message"]
     body = {"model": limited.model, "prompt": "y" * 2001, "max_tokens": 1}
     err = _error(_post(limited, body, KEYS["steady"], path="/v1/completions"), 400)
     assert err["param"] == "prompt"
