@@ -1,4 +1,4 @@
-"""The storage commands of `specloop`: `sink`, `compact` and `broker`.
+"""The storage commands of `specloop`: `sink`, `compact`, `broker` and `registry add-reader`.
 
 `register(app)` adds them to the one typer app (`specloop.daemon.cli`), which also sets up logging. Each
 command validates its options, then calls one function of the storage package; no storage logic
@@ -8,6 +8,7 @@ lives here.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 from pathlib import Path
@@ -17,12 +18,38 @@ import typer
 
 _SERVERS = typer.Option(help="Kafka bootstrap servers, host:port[,host:port]")
 _ROOT = typer.Option(help="Root directory of the trace Parquet files")
+READER_PASSWORD = "SPECLOOP_REGISTRY_READER_PASSWORD"
+
+
+registry_app = typer.Typer(help="The drafter registry's users (an MLflow server with its basic-auth app)",
+                           no_args_is_help=True)
 
 
 def register(app: typer.Typer) -> None:
     app.command("sink")(sink)
     app.command("compact")(compact)
     app.command("broker")(broker)
+    app.add_typer(registry_app, name="registry")
+
+
+@registry_app.command("add-reader")
+def add_reader(
+    username: Annotated[str, typer.Option(help="The user engines log in as")],
+    registry: Annotated[str, typer.Option(envvar="SPECLOOP_REGISTRY", help="The MLflow server (http://...)")],
+) -> None:
+    """Create (or set the password of) a registry user that reads every drafter and writes none. Its
+    password comes from SPECLOOP_REGISTRY_READER_PASSWORD (never a flag, which `ps` would show); the
+    command runs as the server's admin: MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD."""
+    from specloop.storage.registry import add_reader as add
+
+    password = os.environ.get(READER_PASSWORD)
+    if not password:
+        raise typer.BadParameter(f"set {READER_PASSWORD} to the new user's password")
+    try:
+        result = add(registry, username, password)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    typer.echo(f"registry user {username} {result}")
 
 
 def sink(

@@ -55,6 +55,7 @@ FINGERPRINT_KEY = "base_model_fingerprint"
 _FINGERPRINT = re.compile(r"[0-9a-f]{16}")
 _NOT_FOUND = "RESOURCE_DOES_NOT_EXIST"
 _ALREADY_EXISTS = "RESOURCE_ALREADY_EXISTS"
+_MIN_PASSWORD_CHARS = 16
 _NO_TAGS: Mapping[str, str] = MappingProxyType({})
 
 
@@ -420,6 +421,27 @@ def _check_artifact(artifact_dir: Path, base_model: str) -> None:
     if trained_for != base_model:
         raise ValueError(f"base_model {base_model} does not match the artifact's {FINGERPRINT_KEY} {trained_for!r} "
                          f"({artifact_dir / CONFIG})")
+
+
+def add_reader(tracking_uri: str, username: str, password: str) -> str:
+    """Create `username` on an MLflow server that runs its basic-auth app, or set its password if it
+    exists; "created" or "updated". Run with the server's admin credentials (MLflow's own
+    `MLFLOW_TRACKING_USERNAME`/`MLFLOW_TRACKING_PASSWORD`). What the user may do is the server's
+    `default_permission`: with READ, as deploy/ configures it, it reads every drafter and writes none,
+    which is what engines log in as (docs/deployment.md, "The registry's credentials")."""
+    from mlflow.server import get_app_client
+
+    if len(password) < _MIN_PASSWORD_CHARS:
+        raise ValueError(f"the password must have at least {_MIN_PASSWORD_CHARS} characters")
+    users = get_app_client("basic-auth", tracking_uri=tracking_uri)
+    try:
+        users.create_user(username, password)
+        return "created"
+    except MlflowException as e:
+        if e.error_code != _ALREADY_EXISTS:
+            raise
+    users.update_user_password(username, password)
+    return "updated"
 
 
 def _check_listing(sizes: Mapping[str, int | None], v: DrafterVersion, max_bytes: int) -> None:

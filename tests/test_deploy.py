@@ -30,6 +30,7 @@ from specloop.daemon.cli import app
 from specloop.daemon.retrain.settings import DaemonSettings
 from specloop.daemon.stack import TRACE_PARTITIONS
 from specloop.engine.server.settings import ServerSettings
+from specloop.storage.cli import READER_PASSWORD
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -43,10 +44,12 @@ VENV_IN_UNITS = "/opt/specloop/venv"
 DAEMON_VARIABLES = {"SPECLOOP_DAEMON_POLICY", "SPECLOOP_REGISTRY", "SPECLOOP_TRACES_ROOT", "SPECLOOP_CONSENT_DB",
                     "SPECLOOP_DAEMON_STATE_DB", "SPECLOOP_DAEMON_ENGINES"}
 SERVICES = {"serve", "sink", "daemon"}  # the specloop commands each way of deploying runs
+SETUP = {"registry"}  # one-shot commands a way of deploying may run before them (compose, Kubernetes)
 # Seconds each needs after SIGTERM: uvicorn's 30 s drain plus the 10 s trace flush; the sink's flush
 # of its batch; the daemon abandoning a run.
 STOP_BUDGET_S = {"serve": 45, "sink": 60, "daemon": 90}
-K8S_KINDS = {"Namespace", "ConfigMap", "Secret", "PersistentVolumeClaim", "Service", "Deployment", "StatefulSet"}
+K8S_KINDS = {"Namespace", "ConfigMap", "Secret", "PersistentVolumeClaim", "Service", "Deployment", "StatefulSet",
+             "Job", "NetworkPolicy"}
 CONSENT_LABEL = "specloop/consent-db"
 
 
@@ -81,6 +84,11 @@ def workloads() -> dict[str, dict[str, Any]]:
     return {**by_kind("Deployment"), **by_kind("StatefulSet")}
 
 
+def pod_templates() -> dict[str, dict[str, Any]]:
+    """Every object that runs pods: the workloads and the one-shot Jobs."""
+    return {**workloads(), **by_kind("Job")}
+
+
 def pod_spec(workload: dict[str, Any]) -> dict[str, Any]:
     return workload["spec"]["template"]["spec"]
 
@@ -107,8 +115,11 @@ def container_env(container: dict[str, Any]) -> dict[str, str]:
         if "secretRef" in source:
             env.update(secrets[source["secretRef"]["name"]])
     for item in container.get("env", []):
-        ref = item.get("valueFrom", {}).get("configMapKeyRef")
-        env[item["name"]] = maps[ref["name"]][ref["key"]] if ref else str(item["value"])
+        ref, secret = item.get("valueFrom", {}).get("configMapKeyRef"), item.get("valueFrom", {}).get("secretKeyRef")
+        if secret:
+            env[item["name"]] = secrets[secret["name"]][secret["key"]]
+        else:
+            env[item["name"]] = maps[ref["name"]][ref["key"]] if ref else str(item["value"])
     return env
 
 
@@ -338,6 +349,11 @@ def unit_files() -> list[Path]:
     return sorted(SYSTEMD.glob("*.service"))
 
 
+def environment_files(path: Path) -> list[str]:
+    """Every EnvironmentFile of a unit (systemd takes several; configparser would keep the last)."""
+    return re.findall(r"^EnvironmentFile=(.+)$", path.read_text(), re.MULTILINE)
+
+
 def env_example() -> dict[str, str]:
     lines = [line for line in ENV_EXAMPLE.read_text().splitlines() if line and not line.startswith("#")]
     return dict(line.partition("=")[::2] for line in lines)
@@ -363,7 +379,7 @@ def test_specloop_units_read_the_env_file_and_have_time_to_stop() -> None:
         if Path(command[0]).name != "specloop":
             continue
         service = unit(path)["Service"]
-        assert service["EnvironmentFile"] == "/etc/specloop/specloop.env", path.name
+        assert "/etc/specloop/specloop.env" in environment_files(path), path.name
         assert int(service["TimeoutStopSec"]) >= STOP_BUDGET_S[command[1]], path.name
 
 
@@ -399,6 +415,13 @@ class Invocation:
     def flags(self) -> set[str]:
         return {token.partition("=")[0] for token in self.argv[2:] if token.startswith("--")}
 
+    def command(self, group: Any) -> Any:
+        """The click command this argv runs under `group`, through subcommand groups (`registry add-reader`)."""
+        command, depth = group.commands.get(self.argv[1]), 2
+        while command is not None and hasattr(command, "commands") and depth < len(self.argv):
+            command, depth = command.commands.get(self.argv[depth]), depth + 1
+        return command
+
 
 def invocations() -> Iterator[Invocation]:
     """Every command line the deploy files run: compose commands, unit ExecStarts, container commands
@@ -408,7 +431,7 @@ def invocations() -> Iterator[Invocation]:
             yield Invocation(f"compose.yaml:{name}", tuple(compose_argv(service)))
     for path in unit_files():
         yield Invocation(f"systemd/{path.name}", tuple(exec_start(path)))
-    for name, workload in workloads().items():
+    for name, workload in pod_templates().items():
         for container in pod_spec(workload)["containers"]:
             yield Invocation(f"kubernetes:{name}", tuple(argv(container)))
 
@@ -423,8 +446,8 @@ SPECLOOP_RUNS = [i for i in invocations() if i.program == "specloop"]
 
 @pytest.mark.parametrize("invocation", SPECLOOP_RUNS, ids=lambda i: f"{i.where}:{i.argv[1]}")
 def test_specloop_command_and_options_exist(invocation: Invocation) -> None:
-    command = SPECLOOP.commands.get(invocation.argv[1])
-    assert command is not None, f"{invocation.where}: specloop has no command {invocation.argv[1]!r}"
+    command = invocation.command(SPECLOOP)
+    assert command is not None, f"{invocation.where}: specloop has no command {invocation.argv[1:3]!r}"
     options = {opt for p in command.params for opt in (*p.opts, *p.secondary_opts)}
     assert invocation.flags <= options, f"{invocation.where}: unknown options {sorted(invocation.flags - options)}"
 
@@ -432,7 +455,7 @@ def test_specloop_command_and_options_exist(invocation: Invocation) -> None:
 def test_every_way_of_deploying_runs_every_service() -> None:
     for way in ("compose.yaml", "systemd/", "kubernetes:"):
         runs = [i for i in invocations() if i.where.startswith(way)]
-        assert {i.argv[1] for i in runs if i.program == "specloop"} == SERVICES, way
+        assert SERVICES <= {i.argv[1] for i in runs if i.program == "specloop"} <= SERVICES | SETUP, way
         assert any(i.program == "mlflow" and i.argv[1] == "server" for i in runs), way
 
 
@@ -455,7 +478,7 @@ def declared_envvars(command: Any) -> Iterator[str]:
 
 
 ENV_NAMES = ({f"SPECLOOP_{name.upper()}" for name in (*ServerSettings.model_fields, *ConsentSettings.model_fields)}
-             | set(declared_envvars(SPECLOOP)) | DAEMON_VARIABLES)
+             | set(declared_envvars(SPECLOOP)) | DAEMON_VARIABLES | {READER_PASSWORD})
 
 
 @pytest.mark.parametrize("path", deploy_files(), ids=lambda p: str(p.relative_to(DEPLOY)))
@@ -560,3 +583,44 @@ def test_kustomize_builds_the_manifests() -> None:
     mounted = {v["configMap"]["name"] for d in built if d["kind"] in ("Deployment", "StatefulSet")
                for v in d["spec"]["template"]["spec"].get("volumes", []) if "configMap" in v}
     assert mounted and mounted <= generated, "a pod mounts a ConfigMap by its name before kustomize's hash"
+
+
+# ------------------------------------------------------------------------------------ registry credentials
+
+
+def test_the_registry_runs_with_authentication_and_reads_only_for_engines() -> None:
+    """Every way of deploying: MLflow's basic-auth app, engines logged in as the read-only user that
+    `registry add-reader` makes, the daemon as the admin (tests/integration/test_registry_server.py
+    runs this arrangement against a real server)."""
+    auth = configparser.ConfigParser()
+    auth.read_string((DEPLOY / "mlflow-auth.ini").read_text())
+    assert auth["mlflow"]["default_permission"] == "READ" and auth["mlflow"]["admin_username"] == "admin"
+    assert "admin_password" not in auth["mlflow"], "the admin's password comes from a secret, not this file"
+    for invocation in (i for i in invocations() if i.program == "mlflow"):
+        assert option_values(list(invocation.argv), "--app-name") == ["basic-auth"], invocation.where
+    readers = [i for i in invocations() if i.argv[1:3] == ("registry", "add-reader")]
+    assert {i.where.split(":")[0] for i in readers} == {"compose.yaml", "kubernetes"}
+    assert all(option_values(list(i.argv), "--username") == ["engine"] for i in readers)
+    k8s_engine = container_env(the_container("specloop-engine"))
+    k8s_daemon = container_env(the_container("specloop-daemon"))
+    compose_engine, compose_daemon = compose_env(compose_service("serve")[1]), compose_env(compose_service("daemon")[1])
+    for engine, daemon in ((k8s_engine, k8s_daemon), (compose_engine, compose_daemon)):
+        assert engine["MLFLOW_TRACKING_USERNAME"] == "engine" and daemon["MLFLOW_TRACKING_USERNAME"] == "admin"
+        assert engine["MLFLOW_TRACKING_PASSWORD"] != daemon["MLFLOW_TRACKING_PASSWORD"]
+    assert "${MLFLOW_ENGINE_PASSWORD:?" in compose_engine["MLFLOW_TRACKING_PASSWORD"]  # required, no default
+    units = {exec_start(p)[1]: environment_files(p) for p in unit_files() if Path(exec_start(p)[0]).name == "specloop"}
+    assert "/etc/specloop/registry-engine.env" in units["serve"]
+    assert "/etc/specloop/registry-admin.env" in units["daemon"]
+
+
+def test_only_the_engines_the_daemon_and_the_setup_job_reach_the_registry() -> None:
+    [policy] = by_kind("NetworkPolicy").values()
+    mlflow_labels = workloads()["specloop-mlflow"]["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= mlflow_labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    [rule] = policy["spec"]["ingress"]
+    allowed = {peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for peer in rule["from"]}
+    assert allowed == {"specloop-engine", "specloop-daemon", "specloop-registry-users"}
+    for name in allowed:
+        labels = pod_templates()[name]["spec"]["template"]["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == name
