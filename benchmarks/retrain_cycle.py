@@ -11,7 +11,8 @@ tasks) was not trained on. `specloop replay` holds out a share of the prompts by
   `usage.speculation`; and live τ of the demo traffic itself, per drafter version, from the replay's
   records;
 - replayed: after the stack stops, the target's greedy answers to the held-out prompts, replayed
-  with n-gram lookup, each drafter alone and each combined with n-gram lookup (what serving uses),
+  with n-gram lookup, suffix decoding, each drafter alone and each combined with each lookup (with
+  suffix decoding is what serving uses),
   for the shipped drafter (v1) and the promoted one.
 
 Also reported: the cycle's wall-clock from the trigger (the run's start) to the promotion, each
@@ -187,9 +188,9 @@ def replayed(data: Path, heldout: list, version: str) -> dict:
 
 
 def _label(result: dict, names: dict[str, str]) -> str:
-    if result["kind"] == "ngram":
+    if result["kind"] in ("ngram", "suffix"):
         return result["name"]
-    return names[result["drafter"]] + (" + n-gram" if result["kind"] == "combined" else "")
+    return names[result["drafter"]] + {"combined": " + n-gram", "dflash+suffix": " + suffix"}.get(result["kind"], "")
 
 
 if __name__ == "__main__":

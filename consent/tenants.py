@@ -47,6 +47,9 @@ class TenantPolicy(BaseModel):
     policy_version: str | None = None
     pii_mode: PiiMode | None = None
     limits: TenantLimits = TenantLimits()
+    # Suffix decoding drafts from this tenant's recent requests, kept in the engine's memory only and
+    # never shared with another tenant (engine/speculation/suffix_cache.py); false: from each request alone.
+    suffix_cache: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> "TenantPolicy":

@@ -6,8 +6,10 @@ only when its consent record, matched on consent_id, tenant and subject, was gra
 the trace was created and is neither revoked nor expired at `as_of`), then the newest `limit`
 traces. The split is by `md5(trace_id)`, so a trace stays on the same side across builds and
 DuckDB versions. Outputs carry `trace_id`, `created_at`, `tenant`, `endpoint` (for evaluation by
-slice), `prompt_token_ids`, `response_token_ids` sorted by trace_id; `manifest.json` is written last and records counts, filters, the content
-digest and the consent snapshot digest.
+slice), `prompt_token_ids`, `response_token_ids` in arrival order (created_at, then trace_id): the
+contest replays held-out traces as they arrived, since suffix decoding learns from earlier ones.
+`manifest.json` is written last and records counts, filters, the content digest and the consent
+snapshot digest.
 
 The consent snapshot is an Arrow table with columns consent_id, tenant, subject, purpose,
 policy_version, granted_at, expires_at, revoked_at (as `specloop.consent.registry.ConsentRegistry.snapshot`
@@ -181,7 +183,7 @@ def _split(con: duckdb.DuckDBPyConnection, limit: int | None, eval_fraction: flo
         )
         SELECT {columns} FROM chosen
         WHERE (md5_number(trace_id) % {_SPLIT_BUCKETS}) {{}} $cut
-        ORDER BY trace_id
+        ORDER BY created_at, trace_id
     """
     params: dict[str, object] = {"cut": int(eval_fraction * _SPLIT_BUCKETS)}
     if limit:

@@ -30,6 +30,7 @@ from specloop.daemon.cli import app
 from specloop.daemon.retrain.settings import DaemonSettings
 from specloop.daemon.stack import TRACE_PARTITIONS
 from specloop.engine.server.settings import ServerSettings
+from specloop.engine.speculation.kinds import DEFAULT_LEARNED_KIND
 from specloop.storage.cli import READER_PASSWORD
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -514,7 +515,7 @@ def test_engine_environment_is_valid_settings(way: str, monkeypatch: pytest.Monk
     engine, _, _ = deployed_services()[way]
     use_environment(monkeypatch, engine)
     settings = ServerSettings()
-    assert settings.registry and settings.kafka_bootstrap and settings.proposer_kind() == "combined"
+    assert settings.registry and settings.kafka_bootstrap and settings.proposer_kind() == DEFAULT_LEARNED_KIND
     assert ConsentSettings().tenants_file is not None
 
 

@@ -3,8 +3,9 @@ registers (`tau_canary`), so that each engine can tell, right after it swaps the
 it drafts there as it did here.
 
 The target answers the probes greedily once (`LLMEngine.generate`, no drafter); the drafter is then
-replayed over those answers as engines serve it by default with a registry: combined with n-gram
-lookup, at its own block size. Greedy serving commits exactly what the replay counts.
+replayed over those answers as engines serve it by default (`DEFAULT_LEARNED_KIND`), at its own
+block size, with no suffix cache (engines run the probes without theirs). Greedy serving commits
+exactly what the replay counts; engines serving another kind do not judge the canary.
 
 Not here: the probes and the judgement (the engine's), the registry tag (`daemon/retrain/run.py`).
 """
@@ -18,6 +19,7 @@ from specloop.engine.runtime.sequence import SamplingParams
 from specloop.engine.speculation.build import build_proposer
 from specloop.engine.speculation.canary import PROBE_TOKENS, probe_prompts
 from specloop.engine.speculation.drafter_artifact import load_drafter
+from specloop.engine.speculation.kinds import DEFAULT_LEARNED_KIND
 from specloop.storage.sequences import TokenSequence
 
 
@@ -31,7 +33,7 @@ def probe_answers(target: LoadedModel) -> list[TokenSequence]:
 
 
 def canary_tau(target: LoadedModel, artifact: Path, answers: list[TokenSequence] | None = None) -> float:
-    """τ of the drafter in `artifact`, combined with n-gram lookup, replayed over the probes' answers."""
+    """τ of the drafter in `artifact`, served by default, replayed over the probes' answers."""
     drafter = load_drafter(artifact, target.fingerprint, target.model.device, target.model.dtype).drafter
-    proposer = build_proposer("combined", target.model, drafter)
+    proposer = build_proposer(DEFAULT_LEARNED_KIND, target.model, drafter)
     return replay(proposer, answers or probe_answers(target), target.model).tau

@@ -26,13 +26,19 @@ from pathlib import Path
 import torch
 
 from specloop.daemon.evaluation.live import generate_stats
+from specloop.daemon.evaluation.step_cost import StepCost
+from specloop.engine.runtime.verify_cost import best_num_drafts
 from specloop.engine.model.transformer import Transformer
+from specloop.engine.speculation.build import build_proposer
 from specloop.engine.speculation.combined import CombinedProposer
 from specloop.engine.speculation.dflash_proposer import DFlashProposer
 from specloop.engine.speculation.drafter_artifact import load_drafter
 from specloop.engine.speculation.ngram import NgramProposer
-from specloop.engine.speculation.proposer import Proposer
+from specloop.engine.speculation.proposer import Proposer, draft_lengths
+from specloop.engine.speculation.suffix_cache import SuffixCache
 from specloop.storage.sequences import TokenSequence, digest
+
+NAMESPACE = "replay"  # one tenant: every replayed sequence shares a suffix cache
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,12 @@ class ReplayStats:
     steps: int  # verify steps
     committed: int  # tokens committed by verify steps
     accepted_per_position: tuple[int, ...]  # [k]: steps whose draft i was accepted
+    # Per sequence replayed, in order: the tokens its verify steps committed, its verify steps, and
+    # (with a step cost, else empty) the modelled seconds of those steps, each step's cost shared
+    # equally by the sequences in it.
+    tokens: tuple[int, ...] = ()
+    steps_per_trace: tuple[int, ...] = ()
+    seconds: tuple[float, ...] = ()
 
     @property
     def tau(self) -> float:
@@ -56,11 +68,17 @@ class ReplayStats:
         """Accepted draft tokens / draft tokens."""
         return self.accepted / (self.steps * (self.block_size - 1)) if self.steps else 0.0
 
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Modelled decode speed: committed tokens per modelled second (None without a step cost)."""
+        return sum(self.tokens) / sum(self.seconds) if self.seconds else None
+
     def to_json(self) -> dict:
         per_pos = [a / self.steps if self.steps else 0.0 for a in self.accepted_per_position]
         return {"tau": self.tau, "acceptance_rate": self.acceptance_rate, "per_position_acceptance": per_pos,
                 "block_size": self.block_size, "sequences": self.sequences, "verify_steps": self.steps,
-                "committed_tokens": self.committed, "accepted_draft_tokens": self.accepted}
+                "committed_tokens": self.committed, "accepted_draft_tokens": self.accepted,
+                **({"modelled_tokens_per_s": self.tokens_per_s} if self.seconds else {})}
 
 
 def _taps(target: Transformer, tap_layers: tuple[int, ...], rows: list[list[int]]) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -75,26 +93,37 @@ def _taps(target: Transformer, tap_layers: tuple[int, ...], rows: list[list[int]
 
 
 def _replay_group(proposer: Proposer, target: Transformer | None, seqs: list[TokenSequence],
-                  accepted: list[int]) -> tuple[int, int]:
-    k = proposer.block_size - 1
+                  accepted: list[int], cost: StepCost | None) -> tuple[list[int], list[int], list[float]]:
+    """Per sequence: (verify steps, tokens committed, modelled seconds)."""
     rows = [s.tokens for s in seqs]
+    steps, done_by, seconds = [0] * len(rows), [0] * len(rows), [0.0] * len(rows)
     proposer.allocate(len(rows), max(len(r) for r in rows) + proposer.block_size)
+    for b in range(len(rows)):
+        proposer.begin(b, NAMESPACE)
     if proposer.tap_layers:
         assert target is not None, "this proposer needs the target's hidden states"
         tokens, taps = _taps(target, proposer.tap_layers, rows)
         proposer.observe(list(range(len(rows))), [0] * len(rows), taps, tokens)
     # committed[b]: tokens committed so far (prompt + the prefill's first output token).
     committed = [len(s.prompt) + 1 for s in seqs]
-    steps = tokens_done = 0
     while True:
         live = [b for b, r in enumerate(rows) if committed[b] < len(r)]
         if not live:
             break
         last = torch.tensor([rows[b][committed[b] - 1] for b in live], dtype=torch.long)
-        drafts = proposer.propose(live, [committed[b] - 1 for b in live], last,
-                                  [rows[b][:committed[b]] for b in live]).tolist()
-        for b, draft in zip(live, drafts, strict=True):
-            truth = rows[b][committed[b]:committed[b] + k]
+        proposed = proposer.propose(live, [committed[b] - 1 for b in live], last,
+                                    [rows[b][:committed[b]] for b in live])  # [B, k]
+        if cost is not None:  # as serving verifies: only as many draft columns as pay (verify_cost.py)
+            lengths = draft_lengths(proposed)
+            confidence = proposer.last_confidence
+            confidence = torch.ones(proposed.shape) if confidence is None else confidence
+            keep = best_num_drafts(confidence, lengths, cost.target, cost.exact_drafts(len(live)))
+            proposed = proposed[:, :keep]
+            step_s = cost.seconds(len(live), keep + 1, _learned_rows(proposer, len(live)))
+            for b in live:
+                seconds[b] += step_s / len(live)
+        for b, draft in zip(live, proposed.tolist(), strict=True):
+            truth = rows[b][committed[b]:committed[b] + len(draft)]
             n = 0
             while n < len(truth) and draft[n] == truth[n]:
                 n += 1
@@ -104,33 +133,52 @@ def _replay_group(proposer: Proposer, target: Transformer | None, seqs: list[Tok
             for i in range(done - 1):
                 accepted[i] += 1
             committed[b] += done
-            tokens_done += done
-        steps += len(live)
+            done_by[b] += done
+            steps[b] += 1
     for b in range(len(rows)):
-        proposer.release(b)
-    return steps, tokens_done
+        proposer.release(b, list(rows[b]))
+    return steps, done_by, seconds
+
+
+def _learned_rows(proposer: Proposer, batch: int) -> int:
+    """How many rows of the last `propose` DFlash drafted."""
+    if isinstance(proposer, CombinedProposer):
+        return proposer.last_learned_rows
+    return batch if isinstance(proposer, DFlashProposer) else 0
+
+
+def warm(proposer: Proposer, sequences: list[TokenSequence]) -> None:
+    """Let `proposer` see `sequences` served and finished, as serving would have before the replayed
+    ones arrived (suffix decoding caches them; every other proposer forgets them)."""
+    for s in sequences:
+        proposer.begin(0, NAMESPACE)
+        proposer.release(0, list(s.tokens))
 
 
 def replay(proposer: Proposer, sequences: list[TokenSequence], target: Transformer | None = None,
-           batch_size: int = 8) -> ReplayStats:
-    """Replay greedy speculative decoding of every sequence's stored response with `proposer`."""
+           batch_size: int = 8, cost: StepCost | None = None) -> ReplayStats:
+    """Replay greedy speculative decoding of every sequence's stored response with `proposer`, in
+    order, `batch_size` at a time: each group's sequences finish before the next group starts.
+    With `cost`, also each sequence's modelled decode seconds (`step_cost.py`)."""
     if batch_size <= 0:
         raise ValueError(f"batch_size must be > 0, got {batch_size}")
-    seqs = [s for s in sequences if len(s.response) >= 1]
     accepted = [0] * (proposer.block_size - 1)
-    steps = committed = 0
-    for i in range(0, len(seqs), batch_size):
-        s, c = _replay_group(proposer, target, seqs[i:i + batch_size], accepted)
-        steps, committed = steps + s, committed + c
-    return ReplayStats(proposer.block_size, len(seqs), steps, committed, tuple(accepted))
+    steps, tokens, seconds = [], [], []
+    for i in range(0, len(sequences), batch_size):  # a sequence without a response takes no verify step
+        s, t, sec = _replay_group(proposer, target, sequences[i:i + batch_size], accepted, cost)
+        steps, tokens, seconds = steps + s, tokens + t, seconds + sec
+    return ReplayStats(proposer.block_size, sum(len(s.response) >= 1 for s in sequences), sum(steps), sum(tokens),
+                       tuple(accepted), tuple(tokens), tuple(steps), tuple(seconds) if cost else ())
 
 
 def compare(target: Transformer, fingerprint: str, sequences: list[TokenSequence], drafters: list[Path],
             ngram_block_size: int | None, combined: bool = True, block_size: int | None = None,
             min_match: int = 3, batch_size: int = 8, live_concurrency: int | None = None) -> dict:
     """Replay every drafter (refusing any trained for another fingerprint), n-gram lookup at
-    `ngram_block_size` (None: skip), and each drafter combined with n-gram lookup, on the same set.
-    With `live_concurrency`, each is also run by real speculative generation at that concurrency."""
+    `ngram_block_size` and suffix decoding (None: skip both), and each drafter combined with each
+    lookup, on the same set, in order (a suffix cache starts empty and learns from the sequences
+    replayed before). With `live_concurrency`, each is also run by real speculative generation at
+    that concurrency."""
     results = []
     for entry, proposer, needs_target in _contenders(target, fingerprint, drafters, ngram_block_size, combined,
                                                      block_size, min_match):
@@ -155,6 +203,7 @@ def _contenders(target: Transformer, fingerprint: str, drafters: list[Path], ngr
     artifacts = [(path, load_drafter(path, fingerprint, target.device, target.dtype)) for path in drafters]
     if ngram_block_size is not None:
         yield {"name": f"ngram-b{ngram_block_size}", "kind": "ngram"}, NgramProposer(ngram_block_size), False
+        yield {"name": "suffix", "kind": "suffix"}, build_proposer("suffix", target, suffix_cache=SuffixCache()), False
     for path, art in artifacts:
         dflash = DFlashProposer(art.drafter, target, block_size)
         info = {"drafter": str(path), "lineage": {"data_digest": art.lineage.data_digest,
@@ -163,3 +212,5 @@ def _contenders(target: Transformer, fingerprint: str, drafters: list[Path], ngr
         if combined:
             both = CombinedProposer(dflash, NgramProposer(dflash.block_size), min_match)
             yield {"name": f"{Path(path).name}+ngram", "kind": "combined", "min_match": min_match, **info}, both, True
+            with_suffix = build_proposer("dflash+suffix", target, art.drafter, block_size, SuffixCache())
+            yield {"name": f"{Path(path).name}+suffix", "kind": "dflash+suffix", **info}, with_suffix, True

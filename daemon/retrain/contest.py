@@ -1,10 +1,16 @@
-"""The contest: champion and challenger replayed on the same held-out traces, n-gram lookup beside them.
+"""The contest: champion and challenger replayed on the same held-out traces, suffix decoding alone beside
+them, judged on decode speed.
 
-Each contender is replayed as serving drafts with it: the drafter combined with n-gram lookup
-(`engine/speculation/build.py`), at the challenger's block size. n-gram lookup alone is the
-baseline, and what serving does when there is no champion. The held-out traces are the run's
-eval split: recent, consented, never trained on. With slices (tenant, endpoint), each slice is
-replayed on its own and the whole is the sum of the slices, so slices cost nothing extra.
+Each contender is replayed as serving drafts with it by default: the drafter with suffix decoding
+(`DEFAULT_LEARNED_KIND`, `engine/speculation/kinds.py`), at the challenger's block size. Suffix decoding
+alone is the baseline, and what serving does when there is no champion. Every contender's suffix
+cache starts warmed with the run's training traces (the recent traffic a serving cache holds when a
+new drafter starts serving), and the held-out traces (the run's eval split: recent, consented,
+never trained on) are replayed in arrival order, so each learns from the ones before it as serving
+would. Speed is modelled from this machine's measured cost of a step's parts by batch, width and
+drafted rows (`daemon/evaluation/step_cost.py`), per trace, so the gain between two contenders gets
+a paired confidence interval (`daemon/evaluation/speed_gain.py`). τ is reported
+beside it. With slices (tenant, endpoint), each slice's τ is reported too.
 
 Not here: the replay itself (`daemon/evaluation/replay.py`), the decision (`gate.py`).
 """
@@ -13,16 +19,20 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specloop.daemon.evaluation.replay import ReplayStats, replay
+from specloop.daemon.evaluation.replay import NAMESPACE, ReplayStats, replay
+from specloop.daemon.evaluation.speed_gain import SpeedGain, paired_speed_gain
+from specloop.daemon.evaluation.step_cost import CostModel, StepCost
 from specloop.engine.model.transformer import Transformer
-from specloop.engine.speculation.build import build_proposer
+from specloop.engine.speculation.build import build_proposer, dflash_of
 from specloop.engine.speculation.drafter_artifact import load_drafter
+from specloop.engine.speculation.kinds import DEFAULT_LEARNED_KIND
 from specloop.engine.speculation.proposer import Proposer
+from specloop.engine.speculation.suffix_cache import SuffixCache
 from specloop.storage.sequences import TokenSequence, digest
 
 log = logging.getLogger(__name__)
 
-NGRAM = "ngram"
+SUFFIX = "suffix"
 CHAMPION = "champion"
 CHALLENGER = "challenger"
 
@@ -31,27 +41,39 @@ CHALLENGER = "challenger"
 class Contest:
     eval_set: str  # digest of the held-out sequences, in order
     sequences: int
-    block_size: int
-    stats: dict[str, ReplayStats]  # contender -> replay over the whole set
+    block_size: int  # the drafters' block; suffix decoding's own drafts may be longer
+    stats: dict[str, ReplayStats]  # contender -> replay over the whole set, with modelled seconds per trace
+    costs: dict[str, StepCost]  # contender -> its measured step cost
     slices: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # slice -> contender -> τ
 
     def tau(self, contender: str) -> float:
         return self.stats[contender].tau
 
     @property
+    def baseline(self) -> str:
+        """What serves today: the champion if there is one, else suffix decoding alone."""
+        return CHAMPION if CHAMPION in self.stats else SUFFIX
+
+    @property
     def tau_baseline(self) -> float:
-        """τ of what serves today: the champion if there is one, else n-gram lookup."""
-        return self.tau(CHAMPION if CHAMPION in self.stats else NGRAM)
+        return self.tau(self.baseline)
+
+    def speed_gain(self, confidence: float = 0.95) -> SpeedGain:
+        """The challenger's decode speed over the baseline's, paired by trace."""
+        return paired_speed_gain(self.stats[self.baseline].seconds, self.stats[CHALLENGER].seconds, confidence)
 
     def metrics(self) -> dict[str, float]:
-        """Flat numbers for MLflow: τ, acceptance rate and per-position acceptance of each contender."""
-        out: dict[str, float] = {}
+        """Flat numbers for MLflow: τ, modelled tokens/s, acceptance rate and per-position acceptance of each
+        contender, each one's step cost, and the challenger's speed gain with its interval."""
+        out: dict[str, float] = self.speed_gain().to_json()
         for name, s in self.stats.items():
             report = s.to_json()
             out[f"tau_{name}"] = report["tau"]
+            out[f"tokens_per_s_{name}"] = report["modelled_tokens_per_s"]
             out[f"acceptance_rate_{name}"] = report["acceptance_rate"]
             for i, a in enumerate(report["per_position_acceptance"]):
                 out[f"acceptance_pos{i}_{name}"] = a
+            out.update({f"step_{k}_{name}": v for k, v in self.costs[name].to_json().items()})
         for slice_name, by_contender in self.slices.items():
             for name, tau in by_contender.items():
                 out[f"tau_{name}_{slice_name}"] = tau["tau"]
@@ -59,43 +81,51 @@ class Contest:
 
 
 def run_contest(target: Transformer, base_model: str, heldout: list[TokenSequence], challenger: Path,
-                champion: Path | None, slice_keys: list[str] | None = None) -> Contest:
-    """Replay every contender on `heldout`; `slice_keys[i]` names the slice of `heldout[i]` (None: one slice)."""
+                champion: Path | None, slice_keys: list[str] | None = None,
+                earlier: list[TokenSequence] = ()) -> Contest:
+    """Replay every contender on `heldout`, each with a suffix cache warmed by `earlier`; `slice_keys[i]`
+    names the slice of `heldout[i]` (None: one slice)."""
     assert slice_keys is None or len(slice_keys) == len(heldout)
-    challenger_proposer = _served(target, base_model, challenger)
-    block = challenger_proposer.block_size
-    contenders: dict[str, Proposer] = {NGRAM: build_proposer("ngram", target, block_size=block)}
+    challenger_proposer = _served(target, base_model, challenger, earlier)
+    dflash = dflash_of(challenger_proposer)
+    assert dflash is not None
+    block = dflash.block_size  # the champion drafts blocks as long as the challenger's
+    contenders: dict[str, Proposer] = {SUFFIX: build_proposer("suffix", target, suffix_cache=_warmed(earlier))}
     if champion is not None:
-        contenders[CHAMPION] = _served(target, base_model, champion, block)
+        contenders[CHAMPION] = _served(target, base_model, champion, earlier, block)
     contenders[CHALLENGER] = challenger_proposer
-    groups = _slices(heldout, slice_keys)
-    per_slice: dict[str, dict[str, ReplayStats]] = {name: {} for name in groups}
+    model = CostModel(target, [list(s.tokens) for s in heldout[:8]], NAMESPACE)
+    stats, costs = {}, {}
     for contender, proposer in contenders.items():
-        for name, seqs in groups.items():
-            per_slice[name][contender] = replay(proposer, seqs, target)
-        log.info("contest: %s replayed on %d held-out traces", contender, len(heldout))
-    whole = {c: _pooled([per_slice[s][c] for s in groups]) for c in contenders}
-    slices = {} if slice_keys is None else {s: {c: {"tau": st.tau, "sequences": st.sequences}
-                                                for c, st in by.items()} for s, by in per_slice.items()}
-    return Contest(digest(heldout), len(heldout), block, whole, slices)
+        costs[contender] = model.cost(proposer)
+        stats[contender] = replay(proposer, heldout, target, cost=costs[contender])
+        log.info("contest: %s replayed on %d held-out traces: τ %.3f, %.1f tokens/s modelled", contender,
+                 len(heldout), stats[contender].tau, stats[contender].tokens_per_s)
+    return Contest(digest(heldout), len(heldout), block, stats, costs, _slice_taus(stats, slice_keys))
 
 
-def _served(target: Transformer, base_model: str, artifact: Path, block_size: int | None = None) -> Proposer:
+def _warmed(earlier: list[TokenSequence]) -> SuffixCache:
+    cache = SuffixCache()
+    for seq in earlier:
+        cache.add(NAMESPACE, list(seq.tokens))
+    return cache
+
+
+def _served(target: Transformer, base_model: str, artifact: Path, earlier: list[TokenSequence],
+            block_size: int | None = None) -> Proposer:
     drafter = load_drafter(artifact, base_model, target.device, target.dtype).drafter
-    return build_proposer("combined", target, drafter, block_size)
+    return build_proposer(DEFAULT_LEARNED_KIND, target, drafter, block_size, _warmed(earlier))
 
 
-def _slices(heldout: list[TokenSequence], keys: list[str] | None) -> dict[str, list[TokenSequence]]:
+def _slice_taus(stats: dict[str, ReplayStats], keys: list[str] | None) -> dict[str, dict[str, dict[str, float]]]:
+    """Per slice and contender, τ over the slice's traces (from each trace's committed tokens and steps)."""
     if keys is None:
-        return {"all": heldout}
-    groups: dict[str, list[TokenSequence]] = {}
-    for seq, key in zip(heldout, keys, strict=True):
-        groups.setdefault(key, []).append(seq)
-    return dict(sorted(groups.items()))
-
-
-def _pooled(parts: list[ReplayStats]) -> ReplayStats:
-    assert parts and len({p.block_size for p in parts}) == 1
-    per_position = tuple(sum(col) for col in zip(*(p.accepted_per_position for p in parts), strict=True))
-    return ReplayStats(parts[0].block_size, sum(p.sequences for p in parts), sum(p.steps for p in parts),
-                       sum(p.committed for p in parts), per_position)
+        return {}
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name, s in stats.items():
+        for key in sorted(set(keys)):
+            rows = [i for i, k in enumerate(keys) if k == key]
+            steps = sum(s.steps_per_trace[i] for i in rows)
+            out.setdefault(key, {})[name] = {"tau": sum(s.tokens[i] for i in rows) / steps if steps else 1.0,
+                                              "sequences": len(rows)}
+    return out

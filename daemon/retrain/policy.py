@@ -100,10 +100,12 @@ class Evaluation(_Section):
 
 
 class Gate(_Section):
-    """What promotes a challenger: τ at least `min_relative_gain` above the champion's, both
-    measured in the same run on the same held-out set with the proposer serving uses."""
+    """What promotes a challenger: decode speed at least `min_relative_gain` above the champion's, both
+    modelled in the same run on the same held-out set with the proposer serving uses, with the gain's
+    `confidence` interval not below zero (`daemon/retrain/gate.py`)."""
 
     min_relative_gain: Annotated[float, Field(ge=0)] = 0.02
+    confidence: Annotated[float, Field(gt=0, lt=1)] = 0.95
     require_approval: bool = False  # wait for `approval=approved` (MLflow UI or `specloop approve`)
 
 

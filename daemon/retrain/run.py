@@ -131,13 +131,14 @@ class RetrainRun:
                                       loop.target.weights)
         with self._step("evaluate"):
             contest = run_contest(loop.target.model, loop.base_model, prepared.heldout, result.artifact,
-                                  champion_dir, prepared.slice_keys)
+                                  champion_dir, prepared.slice_keys, prepared.train)
         self._check_stop()
         decision = gates.decide(
             loop.policy.gate, served_base_model=loop.base_model,
             challenger_base_model=read_meta(result.artifact)["base_model_fingerprint"],
+            speed=contest.speed_gain(loop.policy.gate.confidence),
             tau_challenger=contest.tau(CHALLENGER), tau_champion=contest.tau_baseline,
-            eval_sequences=contest.sequences, champion_label="none (n-gram)" if champion is None else champion.label)
+            champion_label="suffix decoding alone" if champion is None else champion.label)
         log.info("run %s: gate %s: %s", self.run_id, decision.verdict, decision.reason)
         with self._step("canary"):
             tau_canary = canary_tau(loop.target, result.artifact)

@@ -3,7 +3,9 @@
 Each `step` admits waiting requests into free KV-cache slots, prefills at most one chunk of one
 prompt (`max_prefill_tokens`), and advances every decoding sequence by one pass: a plain one-token
 decode, or (when a proposer is loaded and the request allows it) a verify pass over `[last token, k
-drafts]` that commits between 1 and k+1 tokens per sequence. Decoding in every step, prefill or not,
+drafts]` that commits between 1 and k+1 tokens per sequence, k chosen per step from the drafts'
+estimated acceptance and the pass's measured cost (`engine/runtime/verify_cost.py`). Decoding in
+every step, prefill or not,
 bounds what new prompts cost the streams already running: with prefill-only steps, 8 clients
 restarting together stalled each other's streams for 1.3 s (8 prompts of ~40 tokens, one after
 another, on a 2-core Zen 3) and a flood of short requests multiplied such stalls
@@ -49,7 +51,8 @@ from specloop.engine.runtime.sampler import Sampler
 from specloop.engine.runtime.scheduler import PrefillChunk, Scheduler
 from specloop.engine.runtime.sequence import SamplingParams, Sequence, Status, TokenDelta
 from specloop.engine.runtime.torch_thread import TorchThread
-from specloop.engine.speculation.proposer import ServedDrafter
+from specloop.engine.runtime.verify_cost import Linear, best_num_drafts, exact_num_drafts, measure_pass
+from specloop.engine.speculation.proposer import NO_DRAFT, ServedDrafter, draft_lengths
 from specloop.engine.speculation.verify import accept_lengths, committed_tokens
 
 if TYPE_CHECKING:
@@ -129,10 +132,12 @@ class LLMEngine:
         self.config = config
         self.eos = frozenset(eos_token_ids)
         self.runner = ModelRunner(model, config.num_slots, config.max_len, config.max_block_size)
+        self._verify_cost: Linear | None = None
         self.drafter: ServedDrafter | None = None  # what new sequences get
         self._drafters: list[ServedDrafter] = []  # every drafter serving a sequence, and the current one
         if proposer:
             self._serve(ServedDrafter(self._allocated(proposer), drafter_version))
+            _ = self.verify_cost  # measured now, not during the first request
         self._swaps: queue.SimpleQueue = queue.SimpleQueue()
         self._swap_count, self._swap_pause_s = 0, 0.0
         self.scheduler = Scheduler(config.num_slots, config.max_prefill_tokens)
@@ -206,15 +211,16 @@ class LLMEngine:
             raise ValueError(f"prompt token ids out of range [0, {self.model.config.vocab_size}): {bad[:5]}")
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams, grammar: Grammar | None = None,
-                     tenant: str = "") -> AsyncIterator[TokenDelta]:
+                     tenant: str = "", suffix_cache: bool = True) -> AsyncIterator[TokenDelta]:
         """Yield this request's deltas; leaving the iterator early aborts it and frees its slot.
         With a `grammar`, every token is sampled from the distribution it allows; `tenant` is whose
-        request it is, for the scheduler's fair share."""
+        request it is, for the scheduler's fair share and suffix decoding's cache, which the request
+        reads and adds to only with `suffix_cache`."""
         assert self.alive, "engine not started"
         self.check_prompt(prompt_ids)
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[TokenDelta] = asyncio.Queue()
-        seq = Sequence(list(prompt_ids), params, grammar=grammar, tenant=tenant)
+        seq = Sequence(list(prompt_ids), params, grammar=grammar, tenant=tenant, suffix_cache=suffix_cache)
         self._commands.put(("add", seq, Listener(loop, deltas)))
         finished = False
         try:
@@ -312,6 +318,16 @@ class LLMEngine:
         self._publish_stats()
         return [(s, self._delta(s, [], "timeout")) for s in expired] + results
 
+    @property
+    def verify_cost(self) -> Linear:
+        """This machine's target pass time per verified position, measured once, on a cache of its own."""
+        if self._verify_cost is None:
+            B, W = self.config.num_slots, self.config.max_block_size
+            self._verify_cost = measure_pass(self.model, [(1, 1), (1, W), (B, 1), (B, W)])
+            log.info("verify pass: %.2f ms + %.3f ms per position", self._verify_cost.fixed_s * 1e3,
+                     self._verify_cost.per_unit_s * 1e3)
+        return self._verify_cost
+
     def _speculates(self, seq: Sequence) -> bool:
         return seq.drafter is not None and self.config.speculate and seq.params.speculate
 
@@ -367,6 +383,8 @@ class LLMEngine:
         seq = chunk.seq
         if chunk.start == 0:
             seq.drafter = self.drafter  # kept for the sequence's life: only it observes this context
+            if seq.drafter:
+                seq.drafter.proposer.begin(seq.slot, seq.tenant if seq.suffix_cache else None)
         scoring = seq.params.prompt_logprobs is not None
         logits, taps = self.runner.prefill(seq, chunk.start, chunk.end, self._taps(seq), every_position=scoring)
         if seq.drafter:
@@ -408,17 +426,28 @@ class LLMEngine:
     def _verify(self, seqs: list[Sequence], proposer: Proposer) -> list[tuple[Sequence, TokenDelta]]:
         if not seqs:
             return []
-        k = proposer.block_size - 1
         slots, starts = [s.slot for s in seqs], [s.num_cached for s in seqs]
         last = torch.tensor([s.last_token for s in seqs], dtype=torch.long, device=self.model.device)  # [B]
         drafts = proposer.propose(slots, starts, last, [s.tokens for s in seqs]).to(last.device)  # [B, k]
-        assert drafts.shape == (len(seqs), k)
-        block = torch.cat([last.unsqueeze(1), drafts], dim=1)  # [B, k+1]
-        logits, taps = self.runner.run_block(seqs, block, proposer.tap_layers)
+        assert drafts.shape == (len(seqs), proposer.num_drafts)
+        lengths = draft_lengths(drafts)  # [B]
+        # Only as wide as pays (a batch of rows without drafts is a plain decode pass), and as wide as the
+        # numerics of plain decoding allow: verify_cost.py.
+        limit = exact_num_drafts(self.model, len(seqs))
+        confidence = proposer.last_confidence
+        if confidence is None:  # every draft certain
+            confidence = torch.ones(drafts.shape)
+        keep = best_num_drafts(confidence, lengths, self.verify_cost, limit)
+        drafts = drafts[:, :keep]  # [B, k'], NO_DRAFT past each row's length, never accepted
+        lengths = lengths.clamp(max=keep).tolist()
+        block = torch.cat([last.unsqueeze(1), torch.where(drafts == NO_DRAFT, last.unsqueeze(1), drafts)], dim=1)
+        logits, taps = self.runner.run_block(seqs, block, proposer.tap_layers)  # [B, k'+1, V]
         proposer.observe(slots, starts, taps, block)
-        raw = [self._constrain(seq, logits[b], drafts[b].tolist()) for b, seq in enumerate(seqs)]  # each [k+1, V]
-        target = self.sampler.sample(logits, [s.seq_id for s in seqs], [s.params for s in seqs])  # [B, k+1]
-        allowed = torch.tensor([min(k, self._room(s) - 1) for s in seqs], device=target.device)
+        raw = [self._constrain(seq, logits[b], drafts[b, :lengths[b]].tolist())  # each [k'+1, V]
+               for b, seq in enumerate(seqs)]
+        target = self.sampler.sample(logits, [s.seq_id for s in seqs], [s.params for s in seqs])  # [B, k'+1]
+        allowed = torch.tensor([min(n, self._room(s) - 1) for n, s in zip(lengths, seqs, strict=True)],
+                               device=target.device)
         accepted = accept_lengths(drafts, target, allowed)
         results = []
         for b, (seq, tokens, n, cap) in enumerate(zip(seqs, committed_tokens(drafts, target, accepted),
@@ -487,7 +516,7 @@ class LLMEngine:
         self.scheduler.finish(seq)
         self.sampler.release(seq.seq_id)
         if was_running and seq.drafter:
-            seq.drafter.proposer.release(seq.slot)
+            seq.drafter.proposer.release(seq.slot, seq.tokens)
 
     def _fail_all(self) -> list[tuple[Sequence, TokenDelta]]:
         failed = list(self.scheduler.running) + list(self.scheduler.waiting)

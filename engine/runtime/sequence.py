@@ -136,6 +136,7 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, if asked
     grammar: "Grammar | None" = None  # structured output: what the next token may be (engine/runtime/grammar.py)
     tenant: str = ""  # whose request: slots are shared fairly between tenants (engine/runtime/scheduler.py)
+    suffix_cache: bool = True  # may draft from, and add to, its tenant's in-memory suffix cache
     deadline: float | None = None  # time.monotonic() by which it must hold a slot, or it ends with "timeout"
 
     def __post_init__(self) -> None:

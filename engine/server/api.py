@@ -367,6 +367,7 @@ def _request_input(ctx: ServingContext, request: Request, body: CompletionReques
     return RequestInput(request_id=new_id("chatcmpl" if endpoint == CHAT else "cmpl"),
                         endpoint=endpoint, prompt_ids=prompt_ids, prompt_text=prompt_text, params=params,
                         stop=body.stop_strings, tenant=request.state.tenant.name,
+                        suffix_cache=request.state.tenant.suffix_cache,
                         user=request.headers.get(SUBJECT_HEADER) or body.user)
 
 

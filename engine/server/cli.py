@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from specloop.engine.server.drafter_follower import DrafterFollower
     from specloop.engine.server.metrics import ServerMetrics
     from specloop.engine.speculation.proposer import Proposer
+    from specloop.engine.speculation.suffix_cache import SuffixCache
 
 log = logging.getLogger(__name__)
 
@@ -106,14 +107,16 @@ def build_server(settings: ServerSettings) -> tuple["FastAPI", "LoadedModel"]:
     from specloop.engine.loaders.load import load_for_inference
     from specloop.engine.runtime.llm_engine import LLMEngine
     from specloop.engine.runtime.torch_thread import TorchThread
+    from specloop.engine.speculation.suffix_cache import SuffixCache
 
     consent = _consent_settings()
+    suffix_cache = SuffixCache(settings.suffix_cache_tokens)  # one for the server's life: swaps keep it
     device, dtype = settings.torch_device(), settings.torch_dtype()
     log.info("loading %s as %s on %s", settings.model or "the default SmolLM2 GGUF", settings.dtype, device)
 
     def load() -> tuple["LoadedModel", "LLMEngine"]:
         loaded = load_for_inference(settings.model, dtype, device, settings.weight_format())
-        proposer, version = _proposer(settings, loaded)
+        proposer, version = _proposer(settings, loaded, suffix_cache)
         engine = LLMEngine(loaded.model, settings.engine_config(), loaded.tokenizer.eos_token_ids, proposer, thread,
                            drafter_version=version)
         return loaded, engine
@@ -121,12 +124,13 @@ def build_server(settings: ServerSettings) -> tuple["FastAPI", "LoadedModel"]:
     # The model, its KV cache and the loop all on one thread: see engine/runtime/torch_thread.py (98 vs 57 tok/s).
     thread = TorchThread()
     loaded, engine = thread.run(load)
-    return serving_app(settings, loaded, engine, consent), loaded
+    return serving_app(settings, loaded, engine, consent, suffix_cache), loaded
 
 
 def serving_app(settings: ServerSettings, loaded: "LoadedModel", engine: "LLMEngine",
-                consent: "ConsentSettings") -> "FastAPI":
-    """The app over a loaded model and its engine: tenants from `consent`, capture when a broker is set."""
+                consent: "ConsentSettings", suffix_cache: "SuffixCache | None" = None) -> "FastAPI":
+    """The app over a loaded model and its engine: tenants from `consent`, capture when a broker is set;
+    the registry follower's suffix proposers draw on `suffix_cache` (None: each request's own context)."""
     from specloop.consent.tenants import TenantDirectory
     from specloop.engine.server.api import build_app
     from specloop.engine.server.metrics import ServerMetrics
@@ -138,7 +142,7 @@ def serving_app(settings: ServerSettings, loaded: "LoadedModel", engine: "LLMEng
     metrics = ServerMetrics(engine.stats)
     routers, companions = [], []
     if settings.registry is not None:
-        follower = _follower(settings, loaded, engine, metrics)
+        follower = _follower(settings, loaded, engine, metrics, suffix_cache)
         from specloop.engine.server.drafter_admin import build_drafter_admin_router
 
         routers.append(_under_admin(build_drafter_admin_router(follower, consent.resolve().admin_token)))
@@ -164,21 +168,22 @@ def _under_admin(router: "APIRouter") -> "APIRouter":
     return admin
 
 
-def _follower(settings: ServerSettings, loaded: "LoadedModel", engine: "LLMEngine",
-              metrics: "ServerMetrics") -> "DrafterFollower":
+def _follower(settings: ServerSettings, loaded: "LoadedModel", engine: "LLMEngine", metrics: "ServerMetrics",
+              suffix_cache: "SuffixCache | None") -> "DrafterFollower":
     """The thread that keeps the engine on the registry's champion drafter for the served model."""
     from specloop.engine.server.drafter_follower import DrafterFollower, probe_text_tokens
     from specloop.engine.speculation.canary import probe_prompts
+    from specloop.engine.speculation.kinds import LEARNED_KINDS
     from specloop.storage.registry import DrafterRegistry
 
     kind = settings.proposer_kind()
-    assert kind in ("dflash", "combined"), kind  # settings refuse a registry with n-gram lookup alone
+    assert kind in LEARNED_KINDS, kind  # settings refuse a registry with a lookup alone
     log.info("following the champion drafter of %s in %s every %.0f s", loaded.fingerprint, settings.registry,
              settings.registry_poll_s)
     return DrafterFollower(DrafterRegistry(settings.registry), engine, loaded.model, loaded.fingerprint, kind,
                            probe_text_tokens(loaded.tokenizer.encode), settings.drafter_cache_dir,
                            settings.registry_poll_s, settings.block_size, metrics.record_swap,
-                           probe_prompts(loaded.tokenizer), metrics.record_canary)
+                           probe_prompts(loaded.tokenizer), metrics.record_canary, suffix_cache)
 
 
 def _consent_settings() -> "ConsentSettings":
@@ -191,21 +196,29 @@ def _consent_settings() -> "ConsentSettings":
         raise typer.BadParameter(problems) from e
 
 
-def _proposer(settings: ServerSettings, loaded: "LoadedModel") -> tuple["Proposer | None", str | None]:
+def _proposer(settings: ServerSettings, loaded: "LoadedModel",
+              suffix_cache: "SuffixCache") -> tuple["Proposer | None", str | None]:
     """What drafts at start-up, and its drafter version; refuses a drafter trained for another model.
 
-    Following a registry, the engine starts with n-gram lookup alone (combined) or nothing (dflash)
-    and the follower swaps the champion in once it has checked it.
+    Following a registry, the engine starts with the kind's lookup alone (n-gram lookup for combined,
+    suffix decoding for dflash+suffix) or nothing (dflash), and the follower swaps the champion in
+    once it has checked it.
     """
     from specloop.engine.speculation.build import build_proposer
     from specloop.engine.speculation.drafter_artifact import load_drafter
+    from specloop.engine.speculation.kinds import LEARNED_KINDS, lookup_kind
 
     kind = settings.proposer_kind()
-    if kind is None or (kind == "dflash" and settings.registry is not None):
+    if kind is None:
         return None, None
-    if kind == "ngram" or settings.registry is not None:
-        return build_proposer("ngram", loaded.model, block_size=settings.block_size), None
+    if kind not in LEARNED_KINDS or settings.registry is not None:
+        lookup = lookup_kind(kind)
+        if lookup is None:
+            return None, None
+        return build_proposer(lookup, loaded.model, block_size=settings.block_size, suffix_cache=suffix_cache,
+                              max_block_size=settings.engine_config().max_block_size), None
     artifact = load_drafter(settings.drafter, loaded.fingerprint, loaded.model.device, loaded.model.dtype)
-    proposer = build_proposer(kind, loaded.model, artifact.drafter, settings.block_size)
+    proposer = build_proposer(kind, loaded.model, artifact.drafter, settings.block_size, suffix_cache,
+                              settings.engine_config().max_block_size)
     log.info("drafter %s (block size %d, %s)", settings.drafter, proposer.block_size, kind)
     return proposer, settings.drafter.name

@@ -56,10 +56,12 @@ from specloop.engine.model.transformer import Transformer
 from specloop.engine.runtime.llm_engine import LLMEngine
 from specloop.engine.runtime.sequence import SamplingParams, SpecStats
 from specloop.engine.speculation import canary
-from specloop.engine.speculation.build import ProposerKind, build_proposer, dflash_of
+from specloop.engine.speculation.build import build_proposer, dflash_of
 from specloop.engine.speculation.dflash import DFlashConfig, DFlashDrafter
 from specloop.engine.speculation.drafter_artifact import WEIGHTS, max_artifact_bytes, read_meta, weight_bytes
+from specloop.engine.speculation.kinds import DEFAULT_LEARNED_KIND, LEARNED_KINDS, ProposerKind, lookup_kind
 from specloop.engine.speculation.proposer import Proposer, ServedDrafter
+from specloop.engine.speculation.suffix_cache import SuffixCache
 from specloop.storage.registry import DrafterRegistry, DrafterVersion, RegistryUnavailable, Tag
 
 log = logging.getLogger(__name__)
@@ -165,13 +167,15 @@ class DrafterFollower:
     def __init__(self, registry: DrafterRegistry, engine: LLMEngine, target: Transformer, fingerprint: str,
                  kind: ProposerKind, probe_tokens: list[int], cache_dir: Path, poll_s: float = 30.0,
                  block_size: int | None = None, record_swap: SwapRecorder | None = None,
-                 canary_prompts: list[list[int]] = (), record_canary: CanaryRecorder | None = None) -> None:
+                 canary_prompts: list[list[int]] = (), record_canary: CanaryRecorder | None = None,
+                 suffix_cache: SuffixCache | None = None) -> None:
         if poll_s <= 0:
             raise ValueError(f"registry poll interval must be > 0 s, got {poll_s}")
-        if kind == "ngram":
-            raise ValueError("following a drafter registry needs proposer dflash or combined, not ngram")
+        if kind not in LEARNED_KINDS:
+            raise ValueError(f"following a drafter registry needs a proposer with a drafter "
+                             f"({', '.join(LEARNED_KINDS)}), not {kind}")
         self.registry, self.engine, self.target, self.fingerprint = registry, engine, target, fingerprint
-        self.kind, self.block_size = kind, block_size
+        self.kind, self.block_size, self.suffix_cache = kind, block_size, suffix_cache
         self.probe_context = ProbeContext(target, probe_tokens)
         self.cache_dir, self.poll_s = cache_dir, poll_s
         self.record_swap = record_swap or (lambda result, reason: None)
@@ -268,6 +272,10 @@ class DrafterFollower:
         if promoted is None or not self.canary_prompts:
             log.info("drafter %s: no canary τ recorded with it; its canary is not judged", champion.label)
             return None
+        if self.kind != DEFAULT_LEARNED_KIND:  # the tag's τ is the default kind's: another kind drafts otherwise
+            log.info("drafter %s: its canary τ is %s's, this engine serves %s; not judged", champion.label,
+                     DEFAULT_LEARNED_KIND, self.kind)
+            return None
         live = self._probe_tau()
         failure = canary.judge(live, float(promoted))
         self.record_canary(champion.label, live, failure is None)
@@ -281,7 +289,8 @@ class DrafterFollower:
 
         async def answer(prompt: list[int]) -> SpecStats | None:
             last = None
-            async for delta in self.engine.stream(prompt, params):
+            async for delta in self.engine.stream(prompt, params, suffix_cache=False):  # the probes' own earlier
+                # answers in a suffix cache would pass any drafter
                 last = delta
             return last.spec if last is not None else None
 
@@ -306,9 +315,11 @@ class DrafterFollower:
         self.engine.swap(self._lookup_only).result(timeout=_SWAP_TIMEOUT_S)
 
     def _lookup_only(self, num_slots: int, positions: int) -> ServedDrafter | None:
-        if self.kind != "combined":
+        lookup = lookup_kind(self.kind)
+        if lookup is None:
             return None
-        proposer = build_proposer("ngram", self.target, block_size=self.block_size)
+        proposer = build_proposer(lookup, self.target, block_size=self.block_size, suffix_cache=self.suffix_cache,
+                                  max_block_size=self.engine.config.max_block_size)
         proposer.allocate(num_slots, positions)
         return ServedDrafter(proposer, None)
 
@@ -316,7 +327,8 @@ class DrafterFollower:
         """Built on this thread, beside the serving proposer (weight packing for the CPU kernels
         included), so the swap itself holds the engine thread only for allocation and the probe."""
         try:
-            return build_proposer(self.kind, self.target, drafter, self.block_size)
+            return build_proposer(self.kind, self.target, drafter, self.block_size, self.suffix_cache,
+                                  self.engine.config.max_block_size)
         except ValueError as e:
             raise DrafterRefused("config", f"drafter {version}: {e}") from e
 

@@ -91,6 +91,7 @@ class RequestInput:
     stop: tuple[str, ...]
     tenant: str | None
     user: str | None
+    suffix_cache: bool = True  # the tenant's: may draft from and add to its in-memory suffix cache
     arrived_at: float = field(default_factory=time.time)
     grammar: Grammar | None = None  # structured output: what each token may be
 
@@ -127,7 +128,8 @@ class Generation:
         detok = Detokenizer(self.ctx.tokenizer, self.req.prompt_ids)
         stops = StopStringMatcher(self.req.stop)
         last = self._started
-        stream = self.ctx.engine.stream(self.req.prompt_ids, self.req.params, self.req.grammar, self.req.tenant or "")
+        stream = self.ctx.engine.stream(self.req.prompt_ids, self.req.params, self.req.grammar, self.req.tenant or "",
+                                         self.req.suffix_cache)
         async with aclosing(stream) as deltas:
             async for delta in deltas:
                 last = self._time_tokens(last, len(delta.token_ids))

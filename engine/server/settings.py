@@ -14,6 +14,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from specloop.engine.loaders.weight_format import WeightFormat, nvfp4_part
+from specloop.engine.speculation.kinds import DEFAULT_LEARNED_KIND, LEARNED_KINDS, ProposerKind
 
 if TYPE_CHECKING:  # torch and the engine load inside the methods: `specloop --help` imports this file
     import torch
@@ -56,8 +57,14 @@ class ServerSettings(BaseSettings):
     # What drafts: "auto" = "combined" when a drafter or a registry is given, else nothing; "combined" =
     # n-gram lookup where it matched 3 tokens, DFlash elsewhere: at batch 1 on a 2-core CPU it decoded
     # 1.65x plain against DFlash alone's 1.42x (docs/performance.md, "Speculative decoding at batch 1").
-    # With a registry and no champion yet, "combined" drafts with n-gram lookup alone.
-    proposer: Literal["auto", "ngram", "dflash", "combined"] = "auto"
+    # With a registry and no champion yet, "combined" drafts with n-gram lookup alone. "suffix" = suffix
+    # decoding over each request and its tenant's recent requests; "dflash+suffix" = suffix decoding
+    # where it expects a draft accepted, DFlash elsewhere (engine/speculation/build.py).
+    proposer: Literal["auto", ProposerKind] = "auto"
+    # Suffix decoding's memory: cached token positions over all tenants, the oldest requests forgotten
+    # first (engine/speculation/suffix_cache.py). 4M positions held 269 MB and grew the process by at
+    # most 417 MB while 100k responses streamed through (benchmarks/suffix_decoding.py): ~100 MB per 1M.
+    suffix_cache_tokens: int = Field(2_000_000, ge=1)
     block_size: int | None = Field(None, ge=2)  # verify block length; None = the drafter's own (n-gram: 4)
     speculate: bool = True
     # Trace capture is on exactly when a broker is named. `kafka_config` holds extra KafkaProducer
@@ -136,19 +143,21 @@ class ServerSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _proposer_has_drafter(self) -> "ServerSettings":
-        if self.proposer in ("dflash", "combined") and self.drafter is None and self.registry is None:
+        learned = LEARNED_KINDS
+        if self.proposer in learned and self.drafter is None and self.registry is None:
             raise ValueError(f"proposer {self.proposer!r} needs a drafter directory (drafter) or a registry")
         if self.drafter is not None and self.registry is not None:
             raise ValueError("give a drafter directory (drafter) or a registry to follow, not both")
-        if self.proposer == "ngram" and self.registry is not None:
-            raise ValueError("proposer 'ngram' uses no drafter; following a registry needs dflash or combined")
+        if self.proposer in ("ngram", "suffix") and self.registry is not None:
+            raise ValueError(f"proposer {self.proposer!r} uses no drafter; following a registry needs one of "
+                             f"{', '.join(learned)}")
         return self
 
-    def proposer_kind(self) -> Literal["ngram", "dflash", "combined"] | None:
+    def proposer_kind(self) -> "ProposerKind | None":
         """What drafts, "auto" resolved; None for plain decoding."""
         if self.proposer != "auto":
             return self.proposer
-        return "combined" if self.drafter is not None or self.registry is not None else None
+        return DEFAULT_LEARNED_KIND if self.drafter is not None or self.registry is not None else None
 
     @field_validator("drafter")
     @classmethod

@@ -1,49 +1,78 @@
-"""The combined proposer: n-gram lookup where it found a long enough match, DFlash elsewhere.
+"""The combined proposer: a lookup proposer (n-gram lookup or suffix decoding) where it is confident
+enough, DFlash elsewhere.
 
 It only routes rows between two proposers; neither drafter's logic is here
-(`engine/speculation/ngram.py`, `engine/speculation/dflash_proposer.py`).
+(`engine/speculation/ngram.py`, `engine/speculation/suffix.py`, `engine/speculation/dflash_proposer.py`).
 """
 
 import torch
 
 from specloop.engine.speculation.dflash_proposer import DFlashProposer
 from specloop.engine.speculation.ngram import NgramProposer
-from specloop.engine.speculation.proposer import Proposer
+from specloop.engine.speculation.proposer import NO_DRAFT, Proposer
+from specloop.engine.speculation.suffix import SuffixProposer
 
 
 class CombinedProposer(Proposer):
-    """N-gram lookup when it found a match of at least `min_match` tokens, DFlash otherwise.
+    """The lookup's draft for rows whose score (`last_scores`) reached `min_score`; DFlash's otherwise,
+    unless (suffix decoding) the lookup expects more of its draft accepted than DFlash does of its own.
 
-    Why this rule: a match in the prompt or output (code repeating a name, a quoted passage) is
-    often right for many tokens in a row, while without one n-gram lookup has nothing to offer.
-    How long a match must be depends on how good the drafter is. On 72 held-out evals answers of
-    SmolLM2 at B = 4, with a drafter trained 55 minutes (DFlash τ 1.80, n-gram 2.35): combined
-    2.53 with min_match 1, 2.69 with 2, 2.71 with 3. With a weak drafter (HumanEval, trained 9
-    minutes, DFlash 1.17) 1 was best: 2.49 vs 2.25 with 3. DFlash runs only on the rows that need it.
+    Why this rule: a match in the prompt, the output or (suffix decoding) the tenant's earlier
+    requests is often right for many tokens in a row, while without one a lookup has nothing to
+    offer. N-gram lookup scores a row by its match length. How long a match must be depends on how
+    good the drafter is. On 72 held-out evals answers of SmolLM2 at B = 4, with a drafter trained 55
+    minutes (DFlash τ 1.80, n-gram 2.35): combined 2.53 with min_match 1, 2.69 with 2, 2.71 with 3.
+    With a weak drafter (HumanEval, trained 9 minutes, DFlash 1.17) 1 was best: 2.49 vs 2.25 with 3.
+    Suffix decoding scores a row by the drafts it expects accepted (`engine/speculation/suffix.py`),
+    and DFlash estimates the same from its own probabilities (`last_confidence`), so below
+    `min_score` each row drafts with whichever expects more. DFlash runs only on the rows that need
+    it; the block is the longer of the two proposers', and DFlash's rows end in `NO_DRAFT` past its own.
     """
 
-    def __init__(self, dflash: DFlashProposer, ngram: NgramProposer, min_match: int = 3) -> None:
-        if dflash.block_size != ngram.block_size:
-            raise ValueError(f"block sizes differ: dflash {dflash.block_size}, ngram {ngram.block_size}")
-        if min_match < 1:
-            raise ValueError(f"min_match must be >= 1, got {min_match}")
-        self.dflash, self.ngram, self.min_match = dflash, ngram, min_match
-        self.block_size = dflash.block_size
+    def __init__(self, dflash: DFlashProposer, lookup: NgramProposer | SuffixProposer, min_score: float = 3) -> None:
+        if min_score <= 0:
+            raise ValueError(f"min_score must be > 0, got {min_score}")
+        self.dflash, self.lookup, self.min_score = dflash, lookup, min_score
+        self.block_size = max(dflash.block_size, lookup.block_size)
         self.tap_layers = dflash.tap_layers
+        self.last_learned_rows = 0  # rows of the last `propose` that DFlash drafted
 
     def allocate(self, num_slots: int, max_len: int) -> None:
         self.dflash.allocate(num_slots, max_len)
-        self.ngram.allocate(num_slots, max_len)
+        self.lookup.allocate(num_slots, max_len)
+
+    def begin(self, slot: int, namespace: str | None) -> None:
+        self.lookup.begin(slot, namespace)
+
+    def release(self, slot: int, tokens: list[int]) -> None:
+        self.lookup.release(slot, tokens)
 
     def observe(self, slots: list[int], starts: list[int], taps: list[torch.Tensor], token_ids: torch.Tensor) -> None:
         self.dflash.observe(slots, starts, taps, token_ids)
 
     def propose(self, slots: list[int], ctx_lens: list[int], last_tokens: torch.Tensor,
                 histories: list[list[int]]) -> torch.Tensor:
-        drafts = self.ngram.propose(slots, ctx_lens, last_tokens, histories)  # [B, k]
-        rows = [b for b, n in enumerate(self.ngram.last_match_lengths) if n < self.min_match]
+        drafts = torch.full((len(slots), self.num_drafts), NO_DRAFT, dtype=torch.long)  # [B, k]
+        confidence = torch.ones(len(slots), self.num_drafts)  # [B, k]; n-gram lookup's count as certain
+        found = self.lookup.propose(slots, ctx_lens, last_tokens, histories)  # [B, k_lookup]
+        drafts[:, :found.shape[1]] = found
+        weighed = self.lookup.last_confidence is not None  # suffix decoding: its estimates against DFlash's
+        if weighed:
+            confidence[:, :found.shape[1]] = self.lookup.last_confidence
+        rows = [b for b, score in enumerate(self.lookup.last_scores) if score < self.min_score]
+        self.last_learned_rows = len(rows)
         if rows:
             learned = self.dflash.propose([slots[b] for b in rows], [ctx_lens[b] for b in rows],
-                                          last_tokens[rows], [histories[b] for b in rows])
-            drafts[rows] = learned.to(drafts.device)
+                                          last_tokens[rows], [histories[b] for b in rows])  # [R, k_dflash]
+            own = self.dflash.last_confidence  # [R, k_dflash]; None: certain
+            own = torch.ones(learned.shape, dtype=torch.float32) if own is None else own
+            take = [i for i, b in enumerate(rows)
+                    if not weighed or float(own[i].sum()) >= self.lookup.last_scores[b]]
+            if take:
+                chosen = [rows[i] for i in take]
+                drafts[chosen] = NO_DRAFT
+                drafts[chosen, :learned.shape[1]] = learned[take].to(drafts.device)
+                confidence[chosen] = 0.0
+                confidence[chosen, :learned.shape[1]] = own[take]
+        self.last_confidence = confidence
         return drafts

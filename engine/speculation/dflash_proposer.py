@@ -64,7 +64,10 @@ class DFlashProposer(Proposer):
     def propose(self, slots: list[int], ctx_lens: list[int], last_tokens: torch.Tensor,
                 histories: list[list[int]]) -> torch.Tensor:
         logits = self.block_logits(slots, ctx_lens, last_tokens)  # [B, k, V']
-        ids = logits.argmax(dim=-1)
+        top, ids = logits.softmax(dim=-1).max(dim=-1)  # [B, k] each
+        # Its own estimate that each draft is accepted with those before it: the drafts of a block are
+        # drawn independently, so the product of their probabilities.
+        self.last_confidence = top.cumprod(dim=1).cpu()
         return self.drafter.vocab_ids[ids] if self.drafter.trimmed else ids
 
     def block_logits(self, slots: list[int], ctx_lens: list[int], last_tokens: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ followed it. It needs no target hidden states and no per-slot state.
 
 Always k = block_size − 1 drafts: when no n-gram matches, or the continuation is shorter than k,
 the missing positions repeat the last token (verification rejects them at no extra cost, since
-the verify block has a fixed length anyway). `last_match_lengths` tells the caller, per row of the
+the verify block has a fixed length anyway). `last_scores` tells the caller, per row of the
 last `propose`, the n that matched (0 for none), which the combined proposer uses as confidence.
 """
 
@@ -40,7 +40,7 @@ class NgramProposer(StatelessProposer):
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.block_size = block_size
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
-        self.last_match_lengths: list[int] = []
+        self.last_scores: list[float] = []
 
     def propose(self, slots: list[int], ctx_lens: list[int], last_tokens: torch.Tensor,
                 histories: list[list[int]]) -> torch.Tensor:
@@ -51,5 +51,5 @@ class NgramProposer(StatelessProposer):
             filler = found[-1] if found else history[-1]
             rows.append(found + [filler] * (k - len(found)))
             lengths.append(n)
-        self.last_match_lengths = lengths
+        self.last_scores = [float(n) for n in lengths]
         return torch.tensor(rows, dtype=torch.long).view(len(histories), k)

@@ -3,12 +3,14 @@
 
 The engine owns the target pass, the verify rule and rollback (`engine/speculation/verify.py`); a proposer only
 watches what the target computed (`observe`) and guesses what comes next (`propose`). Proposers
-always return exactly k = block_size − 1 drafts per row: positions they have nothing for are
-filled with a plausible token and simply get rejected by verification, so the engine never needs
-per-row draft lengths.
+always return k = block_size − 1 columns per row: positions they have nothing for are either filled
+with a plausible token (n-gram lookup; verification rejects it) or -1, which ends the row's draft, so
+that a step verifies at most as many positions as its longest draft (suffix decoding; how many it
+does verify is `engine/runtime/verify_cost.py`'s choice).
 
 This file is not a drafter: the DFlash proposer is in `engine/speculation/dflash_proposer.py`, n-gram
-lookup in `engine/speculation/ngram.py`, the two together in `engine/speculation/combined.py`.
+lookup in `engine/speculation/ngram.py`, suffix decoding in `engine/speculation/suffix.py`, a lookup
+and DFlash together in `engine/speculation/combined.py`.
 """
 
 import abc
@@ -16,12 +18,23 @@ from dataclasses import dataclass
 
 import torch
 
+NO_DRAFT = -1  # a row's draft ended before this position
+
+
+def draft_lengths(drafts: torch.Tensor) -> torch.Tensor:
+    """How many drafts each row of `drafts` `[B, k]` has before its first `NO_DRAFT` → `[B]` long."""
+    return (drafts != NO_DRAFT).long().cumprod(dim=1).sum(dim=1)
+
 
 class Proposer(abc.ABC):
     """A drafter with per-slot state. Used from the engine's one thread; not thread-safe."""
 
     block_size: int  # verify block length = 1 + number of drafts (k = block_size − 1)
     tap_layers: tuple[int, ...]  # target layers whose outputs `observe` needs; () when none
+    # After `propose`: `[B, k]` estimated probability that each draft is accepted (with all before it),
+    # which the engine weighs against the cost of verifying it (engine/runtime/verify_cost.py);
+    # None: every draft counts as certain.
+    last_confidence: torch.Tensor | None = None
 
     @property
     def num_drafts(self) -> int:
@@ -31,9 +44,14 @@ class Proposer(abc.ABC):
     def allocate(self, num_slots: int, max_len: int) -> None:
         """Create per-slot state for `num_slots` sequences of up to `max_len` positions."""
 
-    def release(self, slot: int) -> None:
-        """The sequence in `slot` finished. Nothing to drop by default: per-slot rows are positional,
-        and the slot's next owner overwrites them from position zero before it reads any."""
+    def begin(self, slot: int, namespace: str | None) -> None:
+        """A sequence takes `slot`, before its prompt is observed. `namespace` is whose earlier requests it
+        may draft from (its tenant), or None for none; only suffix decoding keeps anything per tenant."""
+
+    def release(self, slot: int, tokens: list[int]) -> None:
+        """The sequence in `slot` finished with `tokens` (prompt + output). Nothing to drop by default:
+        per-slot rows are positional, and the slot's next owner overwrites them from position zero
+        before it reads any."""
 
     @abc.abstractmethod
     def observe(self, slots: list[int], starts: list[int], taps: list[torch.Tensor], token_ids: torch.Tensor) -> None:
@@ -47,7 +65,8 @@ class Proposer(abc.ABC):
     def propose(self, slots: list[int], ctx_lens: list[int], last_tokens: torch.Tensor,
                 histories: list[list[int]]) -> torch.Tensor:
         """Drafts `[B, k]` long for sequences whose first `ctx_lens[b]` positions are observed and committed and
-        whose last committed token `last_tokens[b]` `[B]` is not yet in the target cache.
+        whose last committed token `last_tokens[b]` `[B]` is not yet in the target cache. A row may end
+        in -1s where it has nothing more to draft (`NO_DRAFT`); the engine then verifies fewer positions.
 
         `histories[b]` is every committed token of the sequence (prompt + output), ending in `last_tokens[b]`.
         """

@@ -57,7 +57,7 @@ def test_zeroed_weights_are_caught_by_the_canary_swapped_back_and_rolled_back(sm
     db = open_state(f"sqlite:///{tmp_path / 'state.db'}")
     history = PromotionHistory(db)
     settings = ServerSettings(max_len=512, num_slots=8, dtype="float32", device="cpu", registry=registry.tracking_uri,
-                              registry_poll_s=0.5, proposer="combined", drafter_cache_dir=tmp_path / "cache")
+                              registry_poll_s=0.5, proposer="dflash+suffix", drafter_cache_dir=tmp_path / "cache")
     # A window no live τ could fill in this test: only the canary can roll v2 back.
     rollout = Rollout(watch_minutes=60, min_verify_steps=100_000, rollback_below=0.9)
     with serving(smollm2, settings, consent_settings(tmp_path / "data", None)) as (url, _):

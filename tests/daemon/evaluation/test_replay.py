@@ -8,6 +8,7 @@ import torch
 
 import specloop.daemon.evaluation.replay as replay_module
 from specloop.daemon.evaluation.replay import compare, replay
+from specloop.daemon.evaluation.step_cost import Linear, StepCost
 from specloop.engine.speculation.combined import CombinedProposer
 from specloop.engine.speculation.dflash_proposer import DFlashProposer
 from specloop.engine.speculation.ngram import NgramProposer
@@ -53,6 +54,19 @@ def test_wrong_drafts_give_tau_one() -> None:
     assert stats.tau == 1.0 and stats.steps == 14 and stats.acceptance_rate == 0.0
 
 
+def test_modelled_seconds_follow_the_width_verified_and_are_shared_by_the_step() -> None:
+    # A step costs 1 s plus 1 s per verified position; both sequences run in one group.
+    cost = StepCost(target=Linear(1.0, 1.0), lookup=Linear(0.0, 0.0))
+    stats = replay(Scripted([s.tokens for s in SEQS], 4, right=3), SEQS, batch_size=2, cost=cost)
+    # Step 1: both rows, width 4 (3 drafts + last token): 1 + 8 s, shared. Seq 1 is then done (4
+    # tokens); seq 0 takes two more steps alone, of widths 4 (1 + 4 s) and 3 (two drafts left: 1 + 3 s).
+    assert stats.steps_per_trace == (3, 1) and stats.tokens == (10, 4)
+    assert stats.seconds == pytest.approx((4.5 + 5 + 4, 4.5))
+    assert stats.tokens_per_s == pytest.approx(14 / 18)
+    silent = replay(Scripted([s.tokens for s in SEQS], 4, right=0), SEQS, batch_size=2, cost=cost)
+    assert sum(silent.seconds) == pytest.approx(4 * 3.0 + 6 * 2.0)  # no drafts: width 1; 4 steps with both rows
+
+
 def test_partly_right_drafts() -> None:
     stats = replay(Scripted([s.tokens for s in SEQS], 4, right=1), SEQS)
     # Every step commits 2 (one draft + bonus) until the end: seq 0 needs 5 steps, seq 1 needs 2.
@@ -81,8 +95,9 @@ def test_compare_adds_real_generation_per_contender() -> None:
     target = tiny_target()
     seqs = greedy_outputs(target, [(1, 2, 3, 1, 2, 3)], max_tokens=12)
     report = compare(target, "fp", seqs, [], ngram_block_size=4, live_concurrency=1)
-    [ngram] = report["results"]
-    assert ngram["generation"]["identical_to_stored"] == 1 and ngram["generation"]["tau"] >= 1.0
+    assert [r["kind"] for r in report["results"]] == ["ngram", "suffix"]
+    for lookup in report["results"]:
+        assert lookup["generation"]["identical_to_stored"] == 1 and lookup["generation"]["tau"] >= 1.0
 
 
 def test_compare_refuses_a_missing_drafter_before_replaying_anything(tmp_path: Path,

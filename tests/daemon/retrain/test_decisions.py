@@ -2,6 +2,7 @@
 
 from datetime import UTC, datetime, timedelta
 
+from specloop.daemon.evaluation.speed_gain import SpeedGain
 from specloop.daemon.retrain.gate import GateVerdict, decide
 from specloop.daemon.retrain.policy import Gate, parse_policy
 from specloop.daemon.retrain.triggers import Situation, decide_tick
@@ -10,28 +11,34 @@ FP, OTHER = "0123456789abcdef", "fedcba9876543210"
 NOW = datetime(2026, 12, 1, 12, tzinfo=UTC)
 
 
-def gate(tau_challenger: float, tau_champion: float, gain: float = 0.05, approval: bool = False,
-         challenger_fp: str = FP):
-    return decide(Gate(min_relative_gain=gain, require_approval=approval), served_base_model=FP,
-                  challenger_base_model=challenger_fp, tau_challenger=tau_challenger, tau_champion=tau_champion,
-                  eval_sequences=40, champion_label="v3")
+def gate(gain: float, low: float, required: float = 0.05, approval: bool = False, challenger_fp: str = FP):
+    speed = SpeedGain(gain, low, gain + 0.1, 0.95, 40)
+    return decide(Gate(min_relative_gain=required, require_approval=approval), served_base_model=FP,
+                  challenger_base_model=challenger_fp, speed=speed, tau_challenger=2.2, tau_champion=2.0,
+                  champion_label="v3")
 
 
-def test_a_worse_or_barely_better_challenger_is_refused() -> None:
-    assert gate(2.0, 2.5).verdict is GateVerdict.REFUSE
-    barely = gate(2.09, 2.0)  # +4.5%, 5% needed
+def test_a_slower_or_barely_faster_challenger_is_refused() -> None:
+    assert gate(-0.1, -0.2).verdict is GateVerdict.REFUSE
+    barely = gate(0.045, 0.01)  # +4.5%, 5% needed
     assert barely.verdict is GateVerdict.REFUSE and "below the 5.0% required gain" in barely.reason
-    assert "τ 2.090 vs v3 2.000 (+4.5%) on 40 held-out traces" in barely.reason
+    assert ("+4.5% decode speed (95% CI +1.0% to +14.5%, 40 traces) over v3; τ 2.200 vs 2.000"
+            in barely.reason)
 
 
-def test_a_better_challenger_is_promoted_or_waits_for_approval() -> None:
-    assert gate(2.2, 2.0).verdict is GateVerdict.PROMOTE
-    waiting = gate(2.2, 2.0, approval=True)
+def test_a_gain_within_noise_is_refused_with_that_reason() -> None:
+    noisy = gate(0.12, -0.01)
+    assert noisy.verdict is GateVerdict.REFUSE and "within noise" in noisy.reason
+
+
+def test_a_faster_challenger_is_promoted_or_waits_for_approval() -> None:
+    assert gate(0.12, 0.03).verdict is GateVerdict.PROMOTE
+    waiting = gate(0.12, 0.03, approval=True)
     assert waiting.verdict is GateVerdict.AWAIT_APPROVAL and waiting.passed
 
 
-def test_a_base_model_mismatch_is_refused_whatever_the_tau() -> None:
-    refused = gate(4.0, 1.5, challenger_fp=OTHER)
+def test_a_base_model_mismatch_is_refused_whatever_the_speed() -> None:
+    refused = gate(1.0, 0.9, challenger_fp=OTHER)
     assert refused.verdict is GateVerdict.REFUSE and "base model mismatch" in refused.reason and OTHER in refused.reason
 
 

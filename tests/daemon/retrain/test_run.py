@@ -43,7 +43,8 @@ def test_a_run_registers_a_fully_tagged_version_and_promotes_it(make_loop: Calla
     client = loop.registry._client
     mlflow_run = client.get_run(v.run_id)
     assert mlflow_run.data.metrics["tau_challenger"] == pytest.approx(v.tau_challenger)
-    assert {"tau_ngram", "tau_champion", "acceptance_pos0_challenger"} <= set(mlflow_run.data.metrics)
+    assert {"tau_suffix", "tau_champion", "acceptance_pos0_challenger", "tokens_per_s_champion",
+            "speed_gain_low"} <= set(mlflow_run.data.metrics)
     assert mlflow_run.data.params["policy.training.max_steps"] == "12"
     (dataset,) = mlflow_run.inputs.dataset_inputs
     assert v.tags[Tag.DATASET].removeprefix("sha256:").startswith(dataset.dataset.digest)
@@ -96,15 +97,18 @@ def test_an_approved_challenger_is_promoted(make_loop: Callable[..., Loop], cons
     assert loop.registry.champion(loop.base_model).version == "2"
 
 
-def test_without_a_champion_the_challenger_must_beat_ngram_lookup(make_loop: Callable[..., Loop],
+def test_without_a_champion_the_challenger_must_beat_suffix_decoding_alone(make_loop: Callable[..., Loop],
                                                                  consent_id: str) -> None:
     loop = make_loop()
     store_traces(loop.settings.traces_root, loop.target, consent_id, 48)
     run(loop)
     v = loop.registry.version(loop.base_model, "1")
-    assert "vs none (n-gram)" in v.tags[Tag.GATE_REASON]
+    assert "over suffix decoding alone" in v.tags[Tag.GATE_REASON]
     mlflow_run = loop.registry._client.get_run(v.run_id)
-    assert float(v.tags[Tag.TAU_CHAMPION]) == pytest.approx(mlflow_run.data.metrics["tau_ngram"])
+    assert float(v.tags[Tag.TAU_CHAMPION]) == pytest.approx(mlflow_run.data.metrics["tau_suffix"])
+    speed = mlflow_run.data.metrics
+    assert speed["speed_gain"] == pytest.approx(speed["tokens_per_s_challenger"] / speed["tokens_per_s_suffix"] - 1)
+    assert speed["speed_gain_low"] <= speed["speed_gain"] <= speed["speed_gain_high"]
 
 
 def test_too_few_traces_skips_without_training(make_loop: Callable[..., Loop], consent_id: str) -> None:
@@ -193,7 +197,7 @@ def test_a_new_base_model_bootstraps_from_the_old_models_prompts(make_loop: Call
     (v,) = loop.registry.versions(loop.base_model)
     assert v.tags[Tag.BOOTSTRAP_FROM] == OLD_MODEL and v.base_model == loop.base_model
     assert loop.registry.versions(OLD_MODEL) == []  # the old model's registered model is untouched
-    assert "vs none (n-gram)" in v.tags[Tag.GATE_REASON]
+    assert "over suffix decoding alone" in v.tags[Tag.GATE_REASON]
 
 
 def test_no_bootstrap_when_the_policy_says_no_or_a_champion_exists(make_loop: Callable[..., Loop], consent_id: str,

@@ -49,7 +49,7 @@ def test_train_then_eval_on_smollm2(app: typer.Typer, smollm2: LoadedModel, tmp_
                                    "--output", str(tmp_path / "eval.json")])
     assert run.exit_code == 0, run.output
     report = json.loads((tmp_path / "eval.json").read_text())
-    assert [r["kind"] for r in report["results"]] == ["ngram", "dflash", "combined"]
+    assert [r["kind"] for r in report["results"]] == ["ngram", "suffix", "dflash", "combined", "dflash+suffix"]
     assert all(1.0 <= r["tau"] <= 4.0 for r in report["results"])
     assert report["set"]["sequences"] == 3
 

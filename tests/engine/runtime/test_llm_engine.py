@@ -15,7 +15,9 @@ from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine, PromptTo
 from specloop.engine.runtime.sampler import filtered_probs
 from specloop.engine.runtime.sequence import SamplingParams
 from specloop.engine.speculation.ngram import NgramProposer
-from specloop.engine.speculation.proposer import StatelessProposer
+from specloop.engine.speculation.proposer import NO_DRAFT, StatelessProposer
+from specloop.engine.speculation.suffix import SuffixConfig, SuffixProposer
+from specloop.engine.speculation.suffix_cache import SuffixCache
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 
@@ -78,6 +80,17 @@ class OracleProposer(StatelessProposer):
                 row[len(row) // 2] = (row[len(row) // 2] + 1) % self.model.config.vocab_size
             rows.append(row)
         return torch.tensor(rows)
+
+
+class RaggedOracle(OracleProposer):
+    """The oracle's drafts cut to a different length per call (none at all on some): rows of one step
+    verify drafts of different lengths, and some steps verify none."""
+
+    def propose(self, slots, ctx_lens, last_tokens, histories) -> torch.Tensor:
+        rows = super().propose(slots, ctx_lens, last_tokens, histories)  # [B, k]
+        for b in range(len(rows)):
+            rows[b, (self.calls + 3 * b) % self.block_size:] = NO_DRAFT
+        return rows
 
 
 class MemoOracle(OracleProposer):
@@ -169,12 +182,14 @@ def test_drafts_past_the_end_are_not_counted() -> None:
     assert seq.spec.mean_accepted_length == end
 
 @pytest.mark.parametrize("block_size", [2, 4, 9])
-@pytest.mark.parametrize("kind", ["random", "oracle", "ngram"])
+@pytest.mark.parametrize("kind", ["random", "oracle", "ragged", "ngram", "suffix"])
 def test_speculation_is_lossless_for_greedy(block_size: int, kind: str) -> None:
     model = tiny()
     proposer = {"random": lambda: RandomProposer(block_size, 300),
                 "oracle": lambda: OracleProposer(model, block_size),
-                "ngram": lambda: NgramProposer(block_size=block_size)}[kind]()
+                "ragged": lambda: RaggedOracle(model, block_size),
+                "ngram": lambda: NgramProposer(block_size=block_size),
+                "suffix": lambda: SuffixProposer(SuffixConfig(block_size, min_match=1), SuffixCache())}[kind]()
     ps = prompts(5)
     plain = [s.output_ids for s in LLMEngine(model, EngineConfig(num_slots=5, max_len=128), []).generate(ps, GREEDY)]
     engine = LLMEngine(model, EngineConfig(num_slots=3, max_len=128), [], proposer=proposer)
@@ -189,6 +204,26 @@ def test_speculation_is_lossless_for_greedy(block_size: int, kind: str) -> None:
     for s in spec:
         assert 1.0 <= s.spec.mean_accepted_length <= block_size
         assert s.spec.accepted_per_position[0] >= s.spec.accepted_per_position[-1]
+
+
+@pytest.mark.parametrize("num_slots", [1, 8])
+def test_suffix_decoding_learns_from_finished_requests_and_stays_lossless(num_slots: int) -> None:
+    """The same prompts twice: the second time, the tenant's cache holds the first answers, so most
+    drafts are accepted, and the outputs are still plain decoding's. Another tenant, or a request
+    that turned the cache off, learns nothing from them."""
+    model = tiny()
+    ps = prompts(8, seed=5)
+    plain = [s.output_ids for s in LLMEngine(model, EngineConfig(num_slots=8, max_len=128), []).generate(ps, GREEDY)]
+    cache = SuffixCache()
+    engine = LLMEngine(model, EngineConfig(num_slots=num_slots, max_len=128), [],
+                       proposer=SuffixProposer(SuffixConfig(block_size=9), cache))
+    first = engine.generate(ps, GREEDY)
+    again = engine.generate(ps, GREEDY)
+    assert [s.output_ids for s in first] == plain and [s.output_ids for s in again] == plain
+    assert set(cache.histories) == {""}
+    rate = [sum(s.spec.accepted_tokens for s in run) / sum(len(s.output_ids) for s in run) for run in (first, again)]
+    assert rate[1] > 0.8 > rate[0]
+    assert all(s.spec.mean_accepted_length > 4 for s in again)
 
 
 def test_speculation_respects_max_tokens_and_context() -> None:
@@ -294,3 +329,24 @@ def test_concurrent_streams_match_alone() -> None:
         engine.stop()
     assert outs == [reference_greedy(model, p, GREEDY.max_tokens) for p in ps]
     assert list(itertools.chain(*outs))
+
+
+def test_streams_cache_under_their_tenant_unless_they_opt_out() -> None:
+    model = tiny()
+    ps = prompts(3, seed=6)
+    cache = SuffixCache()
+    engine = LLMEngine(model, EngineConfig(num_slots=2, max_len=128), [],
+                       proposer=SuffixProposer(SuffixConfig(block_size=4), cache))
+    engine.start()
+    try:
+        async def run() -> list[list[int]]:
+            return await asyncio.gather(collect(engine.stream(ps[0], GREEDY, tenant="acme")),
+                                        collect(engine.stream(ps[1], GREEDY, tenant="zeta")),
+                                        collect(engine.stream(ps[2], GREEDY, tenant="quiet", suffix_cache=False)))
+
+        outs = asyncio.run(run())
+    finally:
+        engine.stop()
+    assert outs == [reference_greedy(model, p, GREEDY.max_tokens) for p in ps]
+    assert {n: h.live for n, h in cache.histories.items()} == {
+        "acme": len(ps[0]) + len(outs[0]) + 1, "zeta": len(ps[1]) + len(outs[1]) + 1}

@@ -23,6 +23,7 @@ from specloop.engine.runtime.sequence import SamplingParams
 from specloop.engine.server.drafter_follower import DrafterFollower
 from specloop.engine.speculation.dflash import DFlashConfig
 from specloop.engine.speculation.drafter_artifact import Lineage, save_drafter, weight_bytes
+from specloop.engine.speculation.kinds import DEFAULT_LEARNED_KIND
 from specloop.engine.speculation.ngram import NgramProposer
 from specloop.storage.broker import free_port
 from specloop.storage.registry import CHAMPION, DrafterRegistry
@@ -75,7 +76,7 @@ def follower(registry: DrafterRegistry, target, tmp_path: Path, fingerprint: str
                        NgramProposer(block_size=4))
     engine.start()
     running.append(engine)
-    return DrafterFollower(registry, engine, target, fingerprint, "combined", PROBE, tmp_path / "cache",
+    return DrafterFollower(registry, engine, target, fingerprint, DEFAULT_LEARNED_KIND, PROBE, tmp_path / "cache",
                            poll_s=60, record_swap=swaps)
 
 

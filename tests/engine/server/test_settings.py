@@ -24,7 +24,7 @@ def test_environment_and_overrides(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("field, value", [
     ("port", 70000), ("dtype", "float16"), ("device", "gpu9"), ("num_slots", 0), ("max_len", 1),
-    ("drafter", "/nonexistent/drafter"),
+    ("drafter", "/nonexistent/drafter"), ("suffix_cache_tokens", 0), ("proposer", "medusa"),
 ])
 def test_bad_values_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValidationError) as e:
@@ -32,9 +32,20 @@ def test_bad_values_name_the_field(field: str, value: object) -> None:
     assert e.value.errors()[0]["loc"] == (field,)
 
 
-def test_dflash_and_combined_proposers_need_a_drafter() -> None:
+@pytest.mark.parametrize("kind", ["dflash", "combined", "dflash+suffix"])
+def test_learned_proposers_need_a_drafter(kind: str) -> None:
     with pytest.raises(ValidationError, match="needs a drafter"):
-        ServerSettings(proposer="combined")
+        ServerSettings(proposer=kind)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "suffix"])
+def test_lookups_alone_do_not_follow_a_registry(kind: str) -> None:
+    with pytest.raises(ValidationError, match="uses no drafter"):
+        ServerSettings(proposer=kind, registry="sqlite:///x.db")
+    assert ServerSettings(proposer=kind).proposer_kind() == kind
+
+
+def test_lookup_block_size_is_checked() -> None:
     assert ServerSettings(proposer="ngram", block_size=4).block_size == 4
     with pytest.raises(ValidationError, match="block_size"):
         ServerSettings(proposer="ngram", block_size=1)

@@ -26,7 +26,7 @@ def test_proposer_always_returns_k_drafts_and_reports_matches() -> None:
     p = NgramProposer(block_size=4, max_ngram=2)
     drafts = p.propose([0, 1], [5, 2], torch.tensor([3, 9]), [[1, 2, 3, 1, 2], [8, 9]])
     assert drafts.tolist() == [[3, 1, 2], [9, 9, 9]]
-    assert p.last_match_lengths == [2, 0]
+    assert p.last_scores == [2, 0]
     assert p.tap_layers == ()
 
 

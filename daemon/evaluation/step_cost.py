@@ -1,0 +1,131 @@
+"""What a verify step costs on this machine, so that a replay can tell decode speed and not only τ.
+
+A step of B sequences verifying w positions each, R of whose drafts DFlash made, costs:
+
+    target pass over [B, w] tokens (KV cache at a typical context, LM head on every position)
+  + suffix lookup for each of the B rows (every served proposer looks up first)
+  + DFlash, when the proposer has one: its observe of the B·w tokens and its propose for R rows
+
+Each term is fitted (`fixed + per unit`) to median times measured here, in the process that
+replays, on this CPU under its current load. Two contenders whose drafters have the same shape
+share one measurement of their drafter: their costs are equal, so only what they draft differs.
+That keeps a machine's load changing between two calibrations out of the gain between them, which
+the paired bootstrap over traces (`speed_gain.py`) could not see.
+
+Why a model and not a live run: replaying 400 held-out traces live, per contender, takes about 20
+minutes on a 2-core CPU; the replay with the model takes seconds beyond the τ replay.
+`benchmarks/suffix_decoding.py` checks the model against live generation.
+Not here: the replay (`replay.py`), judging a gain (`speed_gain.py`).
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from specloop.engine.model.transformer import Transformer
+from specloop.engine.cpu.fused_decode import MAX_ROWS
+from specloop.engine.runtime.model_runner import ModelRunner
+from specloop.engine.runtime.sequence import SamplingParams, Sequence
+from specloop.engine.runtime.verify_cost import Linear, measure_pass, median_seconds
+from specloop.engine.speculation.build import dflash_of
+from specloop.engine.speculation.dflash_proposer import DFlashProposer
+from specloop.engine.speculation.proposer import Proposer
+from specloop.engine.speculation.suffix import SuffixConfig, SuffixProposer
+
+GRID = ((1, 1), (1, 4), (1, 16), (4, 4), (8, 1), (8, 4), (8, 16))  # (batch, width) measured
+ROWS = (1, 4, 8)  # propose batch sizes measured
+CONTEXT = 256  # cached positions each sequence attends to while measured
+
+
+@dataclass(frozen=True)
+class StepCost:
+    target: Linear  # per verified position (B × w)
+    lookup: Linear  # per row looked up
+    dflash_observe: Linear | None = None  # per observed position; None: no drafter
+    dflash_propose: Linear | None = None  # per row DFlash drafts
+    max_rows: int | None = None  # the most rows a pass may verify and keep plain decoding's numerics
+
+    def exact_drafts(self, batch: int) -> int | None:
+        """As the engine caps a step (`engine/runtime/verify_cost.py`, `exact_num_drafts`)."""
+        return None if self.max_rows is None else max(0, self.max_rows // batch - 1)
+
+    def seconds(self, batch: int, width: int, learned_rows: int) -> float:
+        s = self.target(batch * width) + self.lookup(batch)
+        if self.dflash_observe is not None and self.dflash_propose is not None:
+            s += self.dflash_observe(batch * width) + (self.dflash_propose(learned_rows) if learned_rows else 0.0)
+        return s
+
+    def to_json(self) -> dict[str, float]:
+        parts = {"target": self.target, "lookup": self.lookup, "dflash_observe": self.dflash_observe,
+                 "dflash_propose": self.dflash_propose}
+        return {f"{name}_{k}_ms": v * 1e3 for name, p in parts.items() if p is not None
+                for k, v in (("fixed", p.fixed_s), ("per_unit", p.per_unit_s))}
+
+
+class CostModel:
+    """Measures the parts of a step once per contest and builds each contender's `StepCost` from them."""
+
+    def __init__(self, target: Transformer, histories: list[list[int]], namespace: str) -> None:
+        """`histories`: token sequences like the replayed ones, whose ends the lookup is timed on, in the
+        suffix cache's `namespace` (as the replay looks up)."""
+        assert histories, "the lookup is timed on real histories"
+        self.target, self.histories, self.namespace = target, histories, namespace
+        self.context = min(CONTEXT, target.config.max_position // 2)  # tiny test models hold few positions
+        self.width = max(w for _, w in GRID)
+        self.runner = ModelRunner(target, max(b for b, _ in GRID), self.context + self.width, slack=0)
+        self._target = measure_pass(target, list(GRID), self.context)
+        self.max_rows = None if target.fused_decoder is None else MAX_ROWS
+        self._lookup: dict[SuffixConfig, Linear] = {}
+        self._drafters: dict[str, tuple[Linear, Linear]] = {}
+
+    def cost(self, proposer: Proposer) -> StepCost:
+        lookup = self._lookup_cost(proposer)
+        dflash = dflash_of(proposer)
+        if dflash is None:
+            return StepCost(self._target, lookup, max_rows=self.max_rows)
+        key = repr(dflash.drafter.config)  # same shape, same cost: measured once
+        if key not in self._drafters:
+            self._drafters[key] = self._dflash_costs(dflash)
+        return StepCost(self._target, lookup, *self._drafters[key], max_rows=self.max_rows)
+
+    @torch.inference_mode()
+    def _fit_grid(self, run: Callable[[list[Sequence], torch.Tensor], object]) -> Linear:
+        units, seconds = [], []
+        for b, w in GRID:
+            seqs = [Sequence([0], SamplingParams(), slot=i, num_cached=self.context) for i in range(b)]
+            block = torch.zeros(b, w, dtype=torch.long)
+            units.append(b * w)
+            seconds.append(median_seconds(lambda seqs=seqs, block=block: run(seqs, block)))
+        return Linear.fit(units, seconds)
+
+    def _lookup_cost(self, proposer: Proposer) -> Linear:
+        lookup = getattr(proposer, "lookup", proposer)
+        if not isinstance(lookup, SuffixProposer):
+            return Linear(0.0, 0.0)  # n-gram lookup: tiny, and the same for every contender
+        if lookup.config not in self._lookup:
+            for slot in range(max(ROWS)):
+                lookup.begin(slot, self.namespace)
+            rows = [self.histories[i % len(self.histories)] for i in range(max(ROWS))]
+            last = torch.zeros(max(ROWS), dtype=torch.long)
+            seconds = [median_seconds(lambda n=n: lookup.propose(list(range(n)), [0] * n, last[:n], rows[:n]))
+                       for n in ROWS]
+            self._lookup[lookup.config] = Linear.fit(list(ROWS), seconds)
+        return self._lookup[lookup.config]
+
+    @torch.inference_mode()
+    def _dflash_costs(self, dflash: DFlashProposer) -> tuple[Linear, Linear]:
+        """(observe per position, propose per row) of one drafter."""
+        dflash.allocate(max(ROWS), self.context + 2 * self.width)
+        _, taps = self.runner.run_block([Sequence([0], SamplingParams(), slot=0, num_cached=self.context)],
+                                        torch.zeros(1, self.width, dtype=torch.long), dflash.tap_layers)
+
+        def observe(seqs: list[Sequence], block: torch.Tensor) -> None:
+            b, w = block.shape
+            dflash.observe(list(range(b)), [self.context] * b, [t[:, :w].expand(b, -1, -1) for t in taps], block)
+
+        observing = self._fit_grid(observe)
+        last = torch.zeros(max(ROWS), dtype=torch.long)
+        seconds = [median_seconds(lambda n=n: dflash.propose(list(range(n)), [self.context] * n, last[:n], [[0]] * n))
+                   for n in ROWS]
+        return observing, Linear.fit(list(ROWS), seconds)
