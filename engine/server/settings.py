@@ -63,7 +63,7 @@ class ServerSettings(BaseSettings):
     proposer: Literal["auto", ProposerKind] = "auto"
     # Suffix decoding's memory: cached token positions over all tenants, the oldest requests forgotten
     # first (engine/speculation/suffix_cache.py). 4M positions held 269 MB and grew the process by at
-    # most 417 MB while 100k responses streamed through (benchmarks/suffix_decoding.py): ~100 MB per 1M.
+    # most 403 MB while 100k responses streamed through (benchmarks/suffix_decoding.py): ~100 MB per 1M.
     suffix_cache_tokens: int = Field(2_000_000, ge=1)
     block_size: int | None = Field(None, ge=2)  # verify block length; None = the drafter's own (n-gram: 4)
     speculate: bool = True

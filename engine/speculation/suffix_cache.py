@@ -18,7 +18,7 @@ followed the longest matches is `engine/speculation/suffix.py`'s.
 
 Memory per cached token: 4 bytes of tokens plus, per anchor, 8 (hash) + 8 (position) bytes, plus
 the growth slack of the arrays; `nbytes` counts it. Streaming 100k responses of 300 tokens (8
-tenants) through a 4M-position cache: 269 MB held at the end, the process grown by 417 MB at most
+tenants) through a 4M-position cache: 269 MB held at the end, the process grown by 403 MB at most
 (merges copy a run), 0.3 ms per response added (benchmarks/suffix_decoding.py, Zen 3).
 Not here: deciding what to draft (`engine/speculation/suffix.py`).
 """
