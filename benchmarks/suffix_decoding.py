@@ -59,7 +59,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--live-prompts", type=int, default=24, help="measured prompts run live (the first of them)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--memory-responses", type=int, default=100_000)
+    p.add_argument("--memory-responses", type=int, default=100_000, help="0: skip the memory measurement")
+    p.add_argument("--systems", nargs="+", default=[s or "plain" for s in SYSTEMS],
+                   choices=[s or "plain" for s in SYSTEMS], help="plain is always measured (the baseline)")
     p.add_argument("--out", type=Path, default=RESULTS)
     return p.parse_args()
 
@@ -103,7 +105,7 @@ def measure_set(systems: Systems, name: str, path: Path, args: argparse.Namespac
            "systems": {}}
     plain: dict[int, tuple[float, list[list[int]]]] = {}
     costs = CostModel(systems.loaded.model, [list(s.tokens) for s in measured[:8]], NAMESPACE)
-    for kind in SYSTEMS:
+    for kind in (k for k in SYSTEMS if k is None or k in args.systems):
         label = kind or "plain"
         row: dict = {}
         if kind is not None:
@@ -141,7 +143,7 @@ def cache_memory(responses: int) -> dict:
 
 def main() -> None:
     args = parse_args()
-    memory = cache_memory(args.memory_responses)
+    memory = cache_memory(args.memory_responses) if args.memory_responses else None
     print("memory", json.dumps(memory), flush=True)
     loaded = load_for_inference(None, torch.bfloat16, resolve_device())
     systems = Systems(loaded)

@@ -437,6 +437,8 @@ class LLMEngine:
         confidence = proposer.last_confidence
         if confidence is None:  # every draft certain
             confidence = torch.ones(drafts.shape)
+        if any(s.params.verify_all_drafts for s in seqs):
+            confidence = torch.ones(drafts.shape)
         keep = best_num_drafts(confidence, lengths, self.verify_cost, limit)
         drafts = drafts[:, :keep]  # [B, k'], NO_DRAFT past each row's length, never accepted
         lengths = lengths.clamp(max=keep).tolist()

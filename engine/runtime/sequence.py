@@ -33,6 +33,9 @@ class SamplingParams:
     # has the same distribution but other draws (a verify pass draws k+1 samples, keeps the accepted ones)
     logprobs: int | None = None  # each emitted token's log-probability and this many alternatives
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (echo); then max_tokens may be 0
+    # Verify every draft, whatever it is expected to cost (engine/runtime/verify_cost.py): the canary's
+    # probes, whose τ must measure the drafter and not the width the engine chose for the load.
+    verify_all_drafts: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):

@@ -284,8 +284,9 @@ class DrafterFollower:
         return failure
 
     def _probe_tau(self) -> float:
-        """The canary probes through the engine, greedy, as one batch: their pooled τ."""
-        params = SamplingParams(max_tokens=canary.PROBE_TOKENS, temperature=0.0)
+        """The canary probes through the engine, greedy, one at a time (a batch would cap how far each may
+        draft: `engine/runtime/verify_cost.py`), every draft verified: their pooled τ."""
+        params = SamplingParams(max_tokens=canary.PROBE_TOKENS, temperature=0.0, verify_all_drafts=True)
 
         async def answer(prompt: list[int]) -> SpecStats | None:
             last = None
@@ -294,8 +295,11 @@ class DrafterFollower:
                 last = delta
             return last.spec if last is not None else None
 
+        async def each() -> list[SpecStats | None]:
+            return [await answer(p) for p in self.canary_prompts]
+
         async def every() -> list[SpecStats | None]:
-            return await asyncio.wait_for(asyncio.gather(*(answer(p) for p in self.canary_prompts)), _SWAP_TIMEOUT_S)
+            return await asyncio.wait_for(each(), _SWAP_TIMEOUT_S)
 
         return SpecStats.pooled(s for s in asyncio.run(every()) if s is not None).mean_accepted_length
 

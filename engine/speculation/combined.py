@@ -24,7 +24,7 @@ class CombinedProposer(Proposer):
     minutes (DFlash τ 1.80, n-gram 2.35): combined 2.53 with min_match 1, 2.69 with 2, 2.71 with 3.
     With a weak drafter (HumanEval, trained 9 minutes, DFlash 1.17) 1 was best: 2.49 vs 2.25 with 3.
     Suffix decoding scores a row by the drafts it expects accepted (`engine/speculation/suffix.py`),
-    and DFlash estimates the same from its own probabilities (`last_confidence`), so below
+    and DFlash estimates the same from its own probabilities (`last_expected`), so below
     `min_score` each row drafts with whichever expects more. DFlash runs only on the rows that need
     it; the block is the longer of the two proposers', and DFlash's rows end in `NO_DRAFT` past its own.
     """
@@ -53,7 +53,7 @@ class CombinedProposer(Proposer):
     def propose(self, slots: list[int], ctx_lens: list[int], last_tokens: torch.Tensor,
                 histories: list[list[int]]) -> torch.Tensor:
         drafts = torch.full((len(slots), self.num_drafts), NO_DRAFT, dtype=torch.long)  # [B, k]
-        confidence = torch.ones(len(slots), self.num_drafts)  # [B, k]; n-gram lookup's count as certain
+        confidence = torch.ones(len(slots), self.num_drafts)  # [B, k]; n-gram's and DFlash's drafts count as certain
         found = self.lookup.propose(slots, ctx_lens, last_tokens, histories)  # [B, k_lookup]
         drafts[:, :found.shape[1]] = found
         weighed = self.lookup.last_confidence is not None  # suffix decoding: its estimates against DFlash's
@@ -64,15 +64,12 @@ class CombinedProposer(Proposer):
         if rows:
             learned = self.dflash.propose([slots[b] for b in rows], [ctx_lens[b] for b in rows],
                                           last_tokens[rows], [histories[b] for b in rows])  # [R, k_dflash]
-            own = self.dflash.last_confidence  # [R, k_dflash]; None: certain
-            own = torch.ones(learned.shape, dtype=torch.float32) if own is None else own
-            take = [i for i, b in enumerate(rows)
-                    if not weighed or float(own[i].sum()) >= self.lookup.last_scores[b]]
+            own = getattr(self.dflash, "last_expected", None) or [float(learned.shape[1])] * len(rows)
+            take = [i for i, b in enumerate(rows) if not weighed or own[i] >= self.lookup.last_scores[b]]
             if take:
                 chosen = [rows[i] for i in take]
                 drafts[chosen] = NO_DRAFT
                 drafts[chosen, :learned.shape[1]] = learned[take].to(drafts.device)
-                confidence[chosen] = 0.0
-                confidence[chosen, :learned.shape[1]] = own[take]
+                confidence[chosen] = 1.0  # verified whole, as DFlash alone is (dflash_proposer.py)
         self.last_confidence = confidence
         return drafts

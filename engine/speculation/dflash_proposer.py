@@ -43,6 +43,7 @@ class DFlashProposer(Proposer):
         self.head = _head(drafter, target)
         self.fused = fused_drafter(self.drafter)  # the C++ block pass on the CPU; None elsewhere
         self.cache: KVCache | None = None
+        self.last_expected: list[float] = []  # per row of the last `propose`: drafts it expects accepted
 
     def allocate(self, num_slots: int, max_len: int) -> None:
         d = self.drafter
@@ -65,9 +66,12 @@ class DFlashProposer(Proposer):
                 histories: list[list[int]]) -> torch.Tensor:
         logits = self.block_logits(slots, ctx_lens, last_tokens)  # [B, k, V']
         top, ids = logits.softmax(dim=-1).max(dim=-1)  # [B, k] each
-        # Its own estimate that each draft is accepted with those before it: the drafts of a block are
-        # drawn independently, so the product of their probabilities.
-        self.last_confidence = top.cumprod(dim=1).cpu()
+        # Its own estimate of how many drafts are accepted: the drafts of a block are drawn
+        # independently, so each is accepted with those before it with the product of their
+        # probabilities. Only the combined proposer weighs it; the engine verifies DFlash's drafts
+        # whole (`last_confidence` stays None), so that a drafter unsure of itself still shows in τ,
+        # which the canary and the rollback watch judge it by.
+        self.last_expected = top.cumprod(dim=1).sum(dim=1).tolist()
         return self.drafter.vocab_ids[ids] if self.drafter.trimmed else ids
 
     def block_logits(self, slots: list[int], ctx_lens: list[int], last_tokens: torch.Tensor) -> torch.Tensor:

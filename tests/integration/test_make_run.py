@@ -1,5 +1,5 @@
 """`specloop up` on its defaults (`make run` adds `--demo` traffic): the real SmolLM2 in bf16, drafting
-with the shipped DFlash drafter (combined with n-gram lookup) that seeded the embedded registry as
+with the shipped DFlash drafter (with suffix decoding) that seeded the embedded registry as
 v1, with the retraining daemon and the MLflow UI beside it."""
 
 import os
