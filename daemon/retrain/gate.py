@@ -50,7 +50,7 @@ def decide(gate: Gate, *, served_base_model: str, challenger_base_model: str, sp
     numbers = f"{speed} over {champion_label}; τ {tau_challenger:.3f} vs {tau_champion:.3f}"
     if speed.gain < gate.min_relative_gain:
         return GateDecision(GateVerdict.REFUSE, f"{numbers}: below the {gate.min_relative_gain:.1%} required gain")
-    if speed.low < 0:
+    if speed.low < min(0.0, gate.min_relative_gain):
         return GateDecision(GateVerdict.REFUSE, f"{numbers}: within noise (the interval reaches a loss)")
     if gate.require_approval:
         return GateDecision(GateVerdict.AWAIT_APPROVAL, f"{numbers}: passed; the policy requires approval")

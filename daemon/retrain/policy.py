@@ -104,7 +104,8 @@ class Gate(_Section):
     modelled in the same run on the same held-out set with the proposer serving uses, with the gain's
     `confidence` interval not below zero (`daemon/retrain/gate.py`)."""
 
-    min_relative_gain: Annotated[float, Field(ge=0)] = 0.02
+    # Negative: a challenger up to this much slower passes too (tests of the plumbing, never production).
+    min_relative_gain: Annotated[float, Field(ge=-1)] = 0.02
     confidence: Annotated[float, Field(gt=0, lt=1)] = 0.95
     require_approval: bool = False  # wait for `approval=approved` (MLflow UI or `specloop approve`)
 

@@ -32,7 +32,7 @@ triggers: {min_new_traces: 30}
 data: {min_traces: 20}
 training: {max_steps: 12, max_minutes: 2, batch_size: 2, anchors: 8}
 evaluation: {heldout_fraction: 0.25, min_heldout: 4}
-gate: {min_relative_gain: 0.0}
+gate: {min_relative_gain: -1.0}  # any challenger: this tests the plumbing, not the drafter
 cooldown_minutes: 0
 """
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]

@@ -87,7 +87,7 @@ def test_daemon_refuses_a_bad_policy_or_missing_settings(app: typer.Typer, tmp_p
     for var in ("SPECLOOP_REGISTRY", "SPECLOOP_DAEMON_POLICY"):
         monkeypatch.delenv(var, raising=False)
     bad = tmp_path / "bad.yaml"
-    bad.write_text("schedule: {interval_minutes: 5}\ngate: {min_relative_gain: -1}\n")
+    bad.write_text("schedule: {interval_minutes: 5}\ngate: {min_relative_gain: -2}\n")
     out = CliRunner().invoke(app, ["daemon", "--policy", str(bad), "--registry", "sqlite:///x.db"])
     assert out.exit_code == 2 and "gate.min_relative_gain (line 2)" in out.output, out.output
     missing = CliRunner().invoke(app, ["daemon", "--policy", str(bad)])

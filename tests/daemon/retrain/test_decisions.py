@@ -70,3 +70,8 @@ def test_cooldown_holds_every_trigger_back() -> None:
 def test_no_champion_and_no_live_tau_fire_only_on_traces() -> None:
     s = Situation(NOW, 5, None, None, None)
     assert not decide_tick(POLICY, s).train
+
+
+def test_a_negative_margin_accepts_a_slower_challenger_and_its_noise() -> None:
+    assert gate(-0.08, -0.1, required=-1.0).verdict is GateVerdict.PROMOTE
+    assert gate(-0.08, -0.1, required=-0.05).verdict is GateVerdict.REFUSE

@@ -30,9 +30,9 @@ def errors(text: str) -> list[str]:
 
 
 def test_errors_name_field_and_line() -> None:
-    text = "schedule:\n  interval_minutes: 5\ngate:\n  min_relative_gain: -1\ntraining:\n  max_steps: 0\n"
+    text = "schedule:\n  interval_minutes: 5\ngate:\n  min_relative_gain: -2\ntraining:\n  max_steps: 0\n"
     assert errors(text) == ["p.yaml: training.max_steps (line 6): Input should be greater than 0",
-                            "p.yaml: gate.min_relative_gain (line 4): Input should be greater than or equal to 0"]
+                            "p.yaml: gate.min_relative_gain (line 4): Input should be greater than or equal to -1"]
 
 
 def test_a_misspelt_key_is_an_error_not_a_default() -> None:
