@@ -27,8 +27,8 @@ import torch
 
 from specloop.daemon.evaluation.live import generate_stats
 from specloop.daemon.evaluation.step_cost import StepCost
-from specloop.engine.runtime.verify_cost import best_num_drafts
 from specloop.engine.model.transformer import Transformer
+from specloop.engine.runtime.verify_cost import best_num_drafts
 from specloop.engine.speculation.build import build_proposer
 from specloop.engine.speculation.combined import CombinedProposer
 from specloop.engine.speculation.dflash_proposer import DFlashProposer

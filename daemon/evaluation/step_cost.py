@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specloop.engine.model.transformer import Transformer
 from specloop.engine.cpu.fused_decode import MAX_ROWS
+from specloop.engine.model.transformer import Transformer
 from specloop.engine.runtime.model_runner import ModelRunner
 from specloop.engine.runtime.sequence import SamplingParams, Sequence
 from specloop.engine.runtime.verify_cost import Linear, measure_pass, median_seconds
