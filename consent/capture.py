@@ -6,8 +6,9 @@ secret detectors over prompt and response. Every decision is counted by reason i
 `specloop_capture_decisions_total`. `decide` never raises on anything a client sent; a registry
 failure becomes `registry_error` (not captured). This module does not build or send the trace.
 
-PII mode "strip" keeps the trace but blanks its text fields. The token ids still encode the same
-text, so only "drop" (the default) keeps detected PII out of training data.
+PII mode "strip" keeps the trace without what was found: the engine's capture hook removes the
+tokens that spell it (`consent/redaction.py`) and blanks the text fields; "drop" (the default)
+keeps no trace at all.
 """
 
 import logging
@@ -43,7 +44,7 @@ class CaptureReason(StrEnum):
 @dataclass(frozen=True, slots=True)
 class CaptureDecision:
     """`capture` true means: produce the trace, stamped with subject, consent id and policy version;
-    with `strip_text`, without its text fields."""
+    with `strip_text`, without what the detectors found (`consent/redaction.py`)."""
 
     capture: bool
     reason: CaptureReason

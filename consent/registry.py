@@ -17,7 +17,7 @@ import re
 import sqlite3
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -27,6 +27,7 @@ import pyarrow as pa
 from specloop.consent.pseudonym import is_pseudonym
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_IDS_PER_QUERY = 500  # bound parameters per statement; SQLite's default limit is 32,766
 _PURPOSE = re.compile(r"[a-z][a-z0-9_]{0,63}")
 _COLUMNS = (
     "consent_id, tenant, subject, purpose, policy_version, granted_at, expires_at, revoked_at, "
@@ -224,6 +225,16 @@ class ConsentRegistry:
             (tenant, subject, purpose, to_micros(at, "at")),
         )
         return _record(rows[0]) if rows else None
+
+    def withdrawn(self, consent_ids: Iterable[str], at: datetime) -> list[str]:
+        """The ids among `consent_ids` not in force at `at`: revoked, expired, or unknown here."""
+        ids = sorted(set(consent_ids))
+        in_force = set()
+        for i in range(0, len(ids), _IDS_PER_QUERY):
+            chunk = ids[i:i + _IDS_PER_QUERY]
+            rows = self._select(f"WHERE consent_id IN ({', '.join('?' * len(chunk))})", chunk)
+            in_force.update(r.consent_id for r in map(_record, rows) if r.is_active(at))
+        return [i for i in ids if i not in in_force]
 
     def snapshot(self, purpose: str) -> pa.Table:
         """Every record for `purpose` (revoked and expired included) as an Arrow table.

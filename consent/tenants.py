@@ -10,6 +10,7 @@ format.
 
 import hashlib
 import hmac
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,12 +37,17 @@ class TenantLimits(BaseModel):
     max_request_tokens: int | None = Field(None, ge=1)  # n × max_tokens of one request
 
 
+_PLACEHOLDER = re.compile(r"(?i)replace|change-?me|placeholder|example|your[-_]?(?:api[-_]?)?key|[<>]|x{6,}")
+
+
 class TenantPolicy(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$")
     api_keys: tuple[SecretStr, ...] = ()
     api_key_sha256: tuple[str, ...] = ()
+    # SHA-256 of this tenant's own admin tokens: they grant, revoke, erase and list for this tenant only.
+    admin_token_sha256: tuple[str, ...] = ()
     capture_allowed: bool = False
     purpose: str = Field(default=DEFAULT_PURPOSE, pattern=r"^[a-z][a-z0-9_]{0,63}$")
     policy_version: str | None = None
@@ -57,8 +63,15 @@ class TenantPolicy(BaseModel):
             raise ValueError("policy_version is required when capture_allowed is true")
         if any(len(k.get_secret_value()) < 16 for k in self.api_keys):
             raise ValueError("api_keys: each key must be at least 16 characters")
-        if any(len(d) != 64 or d.strip("0123456789abcdef") for d in self.api_key_sha256):
-            raise ValueError("api_key_sha256: each entry must be 64 lowercase hex digits")
+        if any(_PLACEHOLDER.search(k.get_secret_value()) for k in self.api_keys):
+            # A key copied from an example is known to everyone who read it: the tenant's traffic,
+            # captured under its consent, would be anyone's to send.
+            raise ValueError("api_keys: a key looks like a placeholder (replace-with, changeme, example, <...>); "
+                             "generate one: python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+        for field in ("api_key_sha256", "admin_token_sha256"):
+            digests = getattr(self, field)
+            if any(len(d) != 64 or d.strip("0123456789abcdef") for d in digests):
+                raise ValueError(f"{field}: each entry must be 64 lowercase hex digits")
         return self
 
     def key_digests(self) -> tuple[bytes, ...]:
@@ -93,6 +106,9 @@ class TenantsFile(BaseModel):
         digests = [d for t in self.tenants for d in t.key_digests()]
         if len(set(digests)) != len(digests):
             raise ValueError("tenants: an API key is listed more than once")
+        admin = [d for t in self.tenants for d in t.admin_token_sha256]
+        if len(set(admin)) != len(admin) or {bytes.fromhex(d) for d in admin} & set(digests):
+            raise ValueError("tenants: an admin token is listed more than once, or is also an API key")
         return self
 
 
@@ -105,6 +121,7 @@ class TenantDirectory:
         self.allow_anonymous, self.anonymous_unknown_keys = allow_anonymous, anonymous_unknown_keys
         self._by_name = {t.name: t for t in (*tenants, ANONYMOUS)}
         self._keys = [(d, t) for t in tenants for d in t.key_digests()]
+        self._admin = [(bytes.fromhex(d), t.name) for t in tenants for d in t.admin_token_sha256]
 
     @classmethod
     def load(cls, path: Path | None) -> "TenantDirectory":
@@ -132,6 +149,14 @@ class TenantDirectory:
 
     def get(self, name: str) -> TenantPolicy | None:
         return self._by_name.get(name)
+
+    def admin_scope(self, token: str) -> str | None:
+        """The tenant whose own admin token `token` is, or None. Every digest is compared."""
+        presented, found = _digest(token), None
+        for digest, tenant in self._admin:
+            if hmac.compare_digest(digest, presented):
+                found = tenant
+        return found
 
 
 def parse_tenants(path: Path) -> TenantsFile:

@@ -5,9 +5,11 @@ trace_id (the copy that finished first), an inner join against a consent snapsho
 only when its consent record, matched on consent_id, tenant and subject, was granted by the time
 the trace was created and is neither revoked nor expired at `as_of`), then the newest `limit`
 traces. The split is by `md5(trace_id)`, so a trace stays on the same side across builds and
-DuckDB versions. Outputs carry `trace_id`, `created_at`, `tenant`, `endpoint` (for evaluation by
-slice), `prompt_token_ids`, `response_token_ids` in arrival order (created_at, then trace_id): the
-contest replays held-out traces as they arrived, since suffix decoding learns from earlier ones.
+DuckDB versions. Outputs carry `trace_id`, `created_at`, `tenant`, `subject` and `consent_id` (so a
+run can re-check consent before it registers and promotes, and a dataset can be scrubbed by
+subject), `endpoint` (for evaluation by slice), `prompt_token_ids`, `response_token_ids` in arrival
+order (created_at, then trace_id): the contest replays held-out traces as they arrived, since suffix
+decoding learns from earlier ones.
 `manifest.json` is written last and records counts, filters, the content digest and the consent
 snapshot digest.
 
@@ -38,7 +40,8 @@ CONSENT_COLUMNS = (
     "expires_at",
     "revoked_at",
 )
-OUTPUT_COLUMNS = ("trace_id", "created_at", "tenant", "endpoint", "prompt_token_ids", "response_token_ids")
+OUTPUT_COLUMNS = ("trace_id", "created_at", "tenant", "subject", "consent_id", "endpoint", "prompt_token_ids",
+                  "response_token_ids")
 _SPLIT_BUCKETS = 1_000_000
 
 # Each statement runs separately: DuckDB binds parameters only in the last statement of a batch.

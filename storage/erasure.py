@@ -36,6 +36,8 @@ def erase_subject(root: Path, tenant: str, subject: str) -> ErasureResult:
     """Remove every trace of (`tenant`, `subject`) from the Parquet files under `root`."""
     if not tenant or not subject:
         raise ValueError("tenant and subject must be non-empty")
+    if not root.is_dir():  # a wrong root would otherwise be created empty and audited "ok, 0 rows"
+        raise FileNotFoundError(f"traces root {root} is not a directory: nothing was erased")
     rewritten: list[Path] = []
     removed = 0
     with exclusive(root):

@@ -6,6 +6,10 @@ contest) → train (the challenger) → evaluate (champion, challenger and n-gra
 the same held-out traces) → gate → register (one MLflow run with params, metrics, the dataset
 through `log_inputs` with its digest, and the artifact; then one version created with every tag
 at once) → promote (move `champion`), or set `challenger` and wait for approval, or refuse.
+Consent is checked again just before `register` and just before `promote`: if any consent behind
+the dataset's traces is no longer in force, the run ends `consent_withdrawn` with nothing
+registered, or its registered version is refused with that reason (in the history and its tags),
+and the next tick builds a dataset without those traces.
 
 Nothing is half-registered: everything before `register` is local files, the version is created
 with all its tags in one call, and the alias moves after. A run stopped before `register`
@@ -143,9 +147,17 @@ class RetrainRun:
         with self._step("canary"):
             tau_canary = canary_tau(loop.target, result.artifact)
         with self._step("register"):
+            withdrawn = self._withdrawn(prepared)
+            if withdrawn is not None:
+                return RunOutcome.CONSENT_WITHDRAWN, f"nothing registered: {withdrawn}"
             version = self._register(prepared, contest, decision, result, champion, tau_canary)
         self.loop.runs.step(self.run_id, "registered", self.timings, version.version)
         with self._step("promote"):
+            withdrawn = self._withdrawn(prepared)
+            if withdrawn is not None:  # registered, never served: its gate tag says why
+                decision = gates.GateDecision(gates.GateVerdict.REFUSE, withdrawn)
+                loop.registry.set_tags(loop.base_model, version.version,
+                                       {Tag.GATE: decision.verdict.value, Tag.GATE_REASON: withdrawn})
             return act_on_gate(loop.registry, loop.history, version, decision, self.run_id)
 
     def _dataset(self) -> Prepared | str:
@@ -181,6 +193,23 @@ class RetrainRun:
             strict=True)]
         keys = _slice_keys(heldout_table, policy.evaluation.slices)
         return Prepared(manifest, train, heldout, keys, directory, manifest.content_digest)
+
+    def _withdrawn(self, prepared: Prepared) -> str | None:
+        """Why the run must stop because consent changed since its dataset was built, or None: any
+        trace it trained or was judged on whose consent is no longer in force (revoked, expired)."""
+        ids: set[str] = set()
+        for part in ("train", "eval"):
+            ids.update(pq.read_table(prepared.directory / f"{part}.parquet", columns=["consent_id"])
+                       ["consent_id"].to_pylist())
+        consent = ConsentRegistry(self.loop.settings.consent_db)
+        try:
+            gone = consent.withdrawn(ids, datetime.now(UTC))
+        finally:
+            consent.close()
+        if not gone:
+            return None
+        log.warning("run %s: %d of its %d consents are no longer in force", self.run_id, len(gone), len(ids))
+        return f"consent withdrawn since the dataset was built ({len(gone)} of {len(ids)} consents no longer in force)"
 
     def _bootstrapped(self, snapshot: Any, since: datetime | None) -> Prepared | None:
         """Another base model's prompts answered by this target, when they are enough (else None)."""

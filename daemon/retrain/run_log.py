@@ -42,6 +42,7 @@ class RunOutcome(StrEnum):
     SKIPPED = "skipped"  # no trigger fired, cooldown, or too little data: nothing trained
     FAILED = "failed"  # an error (MLflow down, a bad trace file): retried at the next tick
     ABANDONED = "abandoned"  # stopped by SIGTERM or a crash before it registered anything
+    CONSENT_WITHDRAWN = "consent_withdrawn"  # a subject of its dataset withdrew before it registered
 
 
 @dataclass(frozen=True)

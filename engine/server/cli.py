@@ -153,7 +153,8 @@ def serving_app(settings: ServerSettings, loaded: "LoadedModel", engine: "LLMEng
                          companions=companions)
     from specloop.engine.server.trace_hook import open_capture
 
-    capture = open_capture(settings, consent.resolve(), tenants, metrics.registry, loaded.tokenizer.decode)
+    capture = open_capture(settings, consent.resolve(), tenants, metrics.registry, loaded.tokenizer.decode,
+                           loaded.tokenizer.encode)
     log.info("capturing consented traces to %s topic %s", settings.kafka_bootstrap, settings.kafka_topic)
     return build_app(loaded, engine, settings, extra_routers=[capture.admin_router, *routers], on_finish=capture.hook,
                      tenants=tenants, metrics=metrics, on_shutdown=[lambda: capture.close(settings.capture_flush_s)],

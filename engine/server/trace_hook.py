@@ -26,6 +26,7 @@ from datetime import UTC, datetime
 from fastapi import APIRouter
 from prometheus_client import CollectorRegistry, Counter
 
+from specloop.consent import redaction
 from specloop.consent.admin_api import build_admin_router
 from specloop.consent.capture import CaptureDecision, CapturePolicy
 from specloop.consent.pseudonym import Pseudonymizer
@@ -43,22 +44,27 @@ log = logging.getLogger(__name__)
 _STOP = object()
 
 Detokenize = Callable[[list[int]], str]
+Tokenize = Callable[[str], list[int]]
 
 
 class TraceCapture:
     """Examines finished requests on its own thread; submits the consented ones as traces."""
 
     def __init__(self, policy: CapturePolicy, producer: TraceProducer, registry: CollectorRegistry,
-                 queue_size: int = 10_000, detokenize: Detokenize | None = None) -> None:
+                 queue_size: int = 10_000, detokenize: Detokenize | None = None,
+                 tokenize: Tokenize | None = None) -> None:
         self.policy = policy
         self.producer = producer
-        # Prompts sent as token ids carry no text; the PII scan reads them decoded, or a client
-        # could slip an email address past the detectors by tokenizing it first.
+        # The PII scan reads what is stored, the token ids decoded: prompts sent as ids carry no
+        # text (a client could slip an address past the detectors by tokenizing it first), and the
+        # tokens generated past a stop string are stored but never shown. Strip mode needs both
+        # directions (`consent/redaction.py`); without them a stripped trace is dropped.
         self._detokenize = detokenize
+        self._tokenize = tokenize
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self.dropped = Counter("specloop_capture_hook_dropped", "Finished requests not examined for capture",
                                ["reason"], registry=registry)
-        for reason in ("queue_full", "build_failed", "closed"):
+        for reason in ("queue_full", "build_failed", "closed", "stripped_to_nothing"):
             self.dropped.labels(reason)
         self._closed = threading.Event()
         self._worker = threading.Thread(target=self._run, name="specloop-capture", daemon=True)
@@ -92,21 +98,36 @@ class TraceCapture:
                 self.dropped.labels("build_failed").inc()
 
     def _capture(self, f: FinishedRequest) -> None:
-        decision = self.policy.decide(f.tenant or "", f.user, self._prompt_text(f), f.response_text,
+        decision = self.policy.decide(f.tenant or "", f.user, self._prompt_text(f), self._response_text(f),
                                       datetime.fromtimestamp(f.finished_at, UTC))
-        if decision.capture:
+        if not decision.capture:
+            return
+        if not decision.strip_text:
             self.producer.submit(build_trace(f, decision))
+            return
+        stripped = None
+        if self._detokenize is not None and self._tokenize is not None:
+            stripped = redaction.strip(f.prompt_ids, f.response_ids, self._detokenize, self._tokenize)
+        if stripped is None:
+            self.dropped.labels("stripped_to_nothing").inc()
+            return
+        self.producer.submit(build_trace(f, decision, stripped))
 
     def _prompt_text(self, f: FinishedRequest) -> str:
         if f.prompt_text is not None or self._detokenize is None:
             return f.prompt_text or ""
         return self._detokenize(list(f.prompt_ids))
 
+    def _response_text(self, f: FinishedRequest) -> str:
+        return f.response_text if self._detokenize is None else self._detokenize(list(f.response_ids))
 
-def build_trace(f: FinishedRequest, d: CaptureDecision) -> Trace:
+
+def build_trace(f: FinishedRequest, d: CaptureDecision, stripped: redaction.Stripped | None = None) -> Trace:
     """The trace of one request, naming the drafter version that drafted it (a swap mid-way through
-    the server's life changes it for requests admitted after the swap)."""
+    the server's life changes it for requests admitted after the swap); with `stripped`, its ids
+    and no text."""
     assert d.capture and d.subject and d.consent_id and d.policy_version
+    assert d.strip_text == (stripped is not None)
     p = f.params
     spec = f.spec
     return Trace(
@@ -122,8 +143,8 @@ def build_trace(f: FinishedRequest, d: CaptureDecision) -> Trace:
         endpoint=f.endpoint,
         sampling=TraceSampling(temperature=float(p.temperature), top_p=float(p.top_p), top_k=p.top_k,
                                max_tokens=p.max_tokens, seed=p.seed),
-        prompt_token_ids=list(f.prompt_ids),
-        response_token_ids=list(f.response_ids),
+        prompt_token_ids=list(f.prompt_ids) if stripped is None else stripped.prompt_ids,
+        response_token_ids=list(f.response_ids) if stripped is None else stripped.response_ids,
         prompt_text=None if d.strip_text else f.prompt_text,
         response_text=None if d.strip_text else f.response_text,
         spec=TraceSpecStats(drafts=spec.drafts if spec else 0, draft_tokens=spec.draft_tokens if spec else 0,
@@ -146,7 +167,8 @@ class CaptureStack:
 
 
 def open_capture(settings: ServerSettings, consent: ConsentConfig, tenants: TenantDirectory,
-                 metrics: CollectorRegistry, detokenize: Detokenize | None = None) -> CaptureStack:
+                 metrics: CollectorRegistry, detokenize: Detokenize | None = None,
+                 tokenize: Tokenize | None = None) -> CaptureStack:
     """Capture to `settings.kafka_bootstrap`, counted on `metrics` (the server's /metrics registry)."""
     assert settings.kafka_bootstrap is not None, "capture needs a broker"
     registry = ConsentRegistry(consent.registry_path)
@@ -154,7 +176,7 @@ def open_capture(settings: ServerSettings, consent: ConsentConfig, tenants: Tena
     producer = TraceProducer(settings.kafka_bootstrap, settings.kafka_topic, queue_size=settings.capture_queue_size,
                              registry=metrics, kafka_config={"linger_ms": settings.capture_linger_ms,
                                                              **settings.kafka_config})
-    hook = TraceCapture(policy, producer, metrics, settings.capture_queue_size, detokenize)
+    hook = TraceCapture(policy, producer, metrics, settings.capture_queue_size, detokenize, tokenize)
     admin = APIRouter(prefix="/admin")
     admin.include_router(build_admin_router(registry, consent, tenants, erase_subject))
     return CaptureStack(hook, admin, registry)

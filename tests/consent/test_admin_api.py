@@ -126,3 +126,50 @@ def test_revoke_with_erase(client: TestClient, pseudonymizer: Pseudonymizer,
     assert len(body["revoked"]) == 1
     assert subject_rows("acme", subject) == 0
     assert subject_rows("acme", "f" * 64) == 1
+
+
+ACME_ADMIN = "acme-own-admin-token-6c1d0e2f9a"
+
+
+@pytest.fixture
+def scoped_client(registry: ConsentRegistry, config: ConsentConfig, tmp_path: Path) -> Iterator[TestClient]:
+    """Two capturing tenants; acme holds its own admin token."""
+    import hashlib
+
+    path = tmp_path / "tenants.yaml"
+    path.write_text(f"""
+tenants:
+  - name: acme
+    api_keys: [acme-api-key-0123456789abcdef]
+    admin_token_sha256: [{hashlib.sha256(ACME_ADMIN.encode()).hexdigest()}]
+    capture_allowed: true
+    policy_version: "2025-06"
+  - name: globex
+    api_keys: [globex-api-key-0123456789]
+    capture_allowed: true
+    policy_version: "2025-06"
+""")
+    app = FastAPI()
+    app.include_router(build_admin_router(registry, config, TenantDirectory.load(path), erase_subject), prefix="/admin")
+    with TestClient(app) as c:
+        yield c
+
+
+def test_a_tenant_admin_token_acts_for_its_tenant_only(scoped_client: TestClient) -> None:
+    own = {"Authorization": f"Bearer {ACME_ADMIN}"}
+    assert scoped_client.post("/admin/consents", json={"tenant": "acme", "user": "u1"}, headers=own).status_code == 201
+    granted = scoped_client.post("/admin/consents", json={"tenant": "globex", "user": "u2"}, headers=AUTH)
+    assert granted.status_code == 201
+    for method, url, body in [("POST", "/admin/consents", {"tenant": "globex", "user": "u3"}),
+                              ("POST", "/admin/consents/revoke", {"tenant": "globex", "user": "u2", "erase": True}),
+                              ("POST", "/admin/consents/query", {"tenant": "globex"}),
+                              ("GET", "/admin/consents?tenant=globex", None)]:
+        assert_error(scoped_client.request(method, url, json=body, headers=own), 403, "tenant",
+                     "admin_token_out_of_scope")
+    # A listing without a tenant is its own tenant's; the deployment's token still sees both.
+    assert {r["tenant"] for r in scoped_client.get("/admin/consents", headers=own).json()["data"]} == {"acme"}
+    every = scoped_client.get("/admin/consents", headers=AUTH).json()["data"]
+    assert {r["tenant"] for r in every} == {"acme", "globex"}
+    revoked = scoped_client.post("/admin/consents/revoke", json={"tenant": "acme", "user": "u1"}, headers=own)
+    assert revoked.status_code == 200 and len(revoked.json()["revoked"]) == 1
+

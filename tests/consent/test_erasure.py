@@ -76,3 +76,16 @@ def test_failed_erasure_is_audited_and_raised(
     assert entry["status"] == "failed" and "disk full" in entry["error"]
     assert registry.list(subject=subject)[0].revoked_at is not None  # revoked even so
 
+
+
+def test_a_wrong_traces_root_is_an_error_not_an_empty_success(
+    registry: ConsentRegistry, config: ConsentConfig, pseudonymizer: Pseudonymizer, tmp_path: Path
+) -> None:
+    subject = pseudonymizer.subject("acme", "u1")
+    registry.grant("acme", subject, "drafter_training", "v1", "test")
+    wrong = tmp_path / "no-such-traces"
+    with pytest.raises(FileNotFoundError, match="nothing was erased"):
+        revoke_and_erase(registry, erase_subject, wrong, "acme", subject, config.audit_log_path, actor="test")
+    assert not wrong.exists()
+    [entry] = [json.loads(x) for x in config.audit_log_path.read_text().splitlines()]
+    assert entry["status"] == "failed" and "no-such-traces" in entry["error"]

@@ -16,10 +16,21 @@ def write(tmp_path: Path, text: str) -> Path:
     return path
 
 
-def test_example_file_loads() -> None:
-    parsed = parse_tenants(EXAMPLE)
+def test_example_file_is_refused_until_its_placeholder_key_is_replaced(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="tenants.1.*api_keys: a key looks like a placeholder"):
+        parse_tenants(EXAMPLE)
+    edited = write(tmp_path, EXAMPLE.read_text().replace("replace-with-a-long-random-key-0001", "k" * 12 + "Q7v2Lm9"))
+    parsed = parse_tenants(edited)
     assert [t.name for t in parsed.tenants] == ["acme", "globex", "initech"]
     assert parsed.tenants[1].pii_mode == "strip"
+
+
+@pytest.mark.parametrize("key", ["replace-with-a-long-random-key-0001", "CHANGEME-0123456789abc", "<your-api-key-here>",
+                                 "my-example-key-0123456", "xxxxxxxxxxxxxxxxxxxxxxxx", "your_api_key_0123456789"])
+def test_placeholder_keys_are_refused(tmp_path: Path, key: str) -> None:
+    path = write(tmp_path, f"tenants:\n  - name: acme\n    api_keys: [{key!r}]\n")
+    with pytest.raises(ValueError, match="placeholder"):
+        parse_tenants(path)
 
 
 def test_resolve_plain_and_hashed_keys(tmp_path: Path) -> None:
@@ -92,3 +103,11 @@ def test_bad_files_name_the_field(tmp_path: Path, body: str, names: str) -> None
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="missing.yaml"):
         parse_tenants(tmp_path / "missing.yaml")
+
+
+def test_an_admin_token_that_is_also_an_api_key_is_refused(tmp_path: Path) -> None:
+    key = "acme-api-key-0123456789abcdef"
+    digest = hashlib.sha256(key.encode()).hexdigest()
+    path = write(tmp_path, f"tenants:\n  - name: acme\n    api_keys: [{key}]\n    admin_token_sha256: [{digest}]\n")
+    with pytest.raises(ValueError, match="admin token .* also an API key"):
+        parse_tenants(path)

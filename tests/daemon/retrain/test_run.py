@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from specloop.consent.registry import ConsentRegistry
 from specloop.daemon.retrain.history import Action
 from specloop.daemon.retrain.run import Loop, RetrainRun, new_run_id, resume_promotion
 from specloop.daemon.retrain.run_log import RunOutcome
 from specloop.storage.registry import CHALLENGER, Approval, DrafterRegistry, RegistryUnavailable, Tag
-from tests.daemon.retrain.conftest import FAST_POLICY, seed_champion, store_traces
+from tests.daemon.retrain.conftest import FAST_POLICY, SUBJECT, TENANT, seed_champion, store_traces
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -143,6 +144,59 @@ def test_a_stop_during_training_abandons_the_run_and_registers_nothing(make_loop
     record = loop.runs.runs()[-1]
     assert outcome is RunOutcome.ABANDONED and "lease lost" in record.detail and record.step == "train"
     assert loop.registry.versions(loop.base_model) == []
+
+
+def _revoke(loop: Loop) -> None:
+    consent = ConsentRegistry(loop.settings.consent_db)
+    try:
+        assert consent.revoke(TENANT, SUBJECT)
+    finally:
+        consent.close()
+
+
+def test_consent_revoked_during_training_stops_the_run_before_it_registers(make_loop: Callable[..., Loop],
+                                                                          consent_id: str, tmp_path: Path) -> None:
+    loop = make_loop()
+    store_traces(loop.settings.traces_root, loop.target, consent_id, 48)
+    seed_champion(loop, tmp_path)
+    revoked = []
+
+    def revoke_once() -> None:  # the trainer asks whether to stop between steps: a revocation lands meanwhile
+        if not revoked:
+            _revoke(loop)
+            revoked.append(True)
+
+    _, outcome = run(loop, should_stop=revoke_once)
+    record = loop.runs.runs()[-1]
+    assert revoked and outcome is RunOutcome.CONSENT_WITHDRAWN, record.detail
+    assert "1 of 1 consents no longer in force" in record.detail and record.step == "register"
+    assert [v.version for v in loop.registry.versions(loop.base_model)] == ["1"]
+    assert loop.registry.champion(loop.base_model).version == "1"
+
+
+def test_consent_revoked_after_registering_refuses_the_version(make_loop: Callable[..., Loop], consent_id: str,
+                                                               tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from specloop.daemon.retrain import run as run_module
+
+    loop = make_loop()
+    store_traces(loop.settings.traces_root, loop.target, consent_id, 48)
+    seed_champion(loop, tmp_path)
+    register = run_module.RetrainRun._register
+
+    def register_then_revoke(self: RetrainRun, *args: object) -> object:
+        version = register(self, *args)
+        _revoke(loop)
+        return version
+
+    monkeypatch.setattr(run_module.RetrainRun, "_register", register_then_revoke)
+    run_id, outcome = run(loop)
+    assert outcome is RunOutcome.REFUSED
+    refused = loop.registry.version(loop.base_model, "2")
+    assert refused.tags[Tag.GATE] == "refuse" and "consent withdrawn" in refused.tags[Tag.GATE_REASON]
+    event = loop.history.last(loop.base_model)
+    assert (event.action, event.version, event.run_id) == (Action.REFUSED, "v2", run_id)
+    assert "consent withdrawn" in event.reason
+    assert loop.registry.champion(loop.base_model).version == "1"
 
 
 def test_a_run_killed_after_registering_is_promoted_on_restart(make_loop: Callable[..., Loop], consent_id: str,
