@@ -61,7 +61,7 @@ POLICIES = Path(__file__).resolve().parent / "policies"  # package data: `speclo
 DEMO_TENANT = "demo"
 # The demo traffic's prompt sets (`daemon/training/prompts.py`); formal-logic is the default, the
 # narrow domain where one cycle reached +50% τ (daemon/training/prompt_sets/README.md).
-DemoPrompts = Literal["formal-logic", "humaneval"]
+DemoPrompts = Literal["formal-logic", "humaneval", "file"]
 _DEMO_CONCURRENCY = 4
 _DEMO_WAIT_S = 600  # the replay starts with the server, which loads the model first
 _DEMO_TENANTS = """# Written by `specloop up --demo`: the demo tenant captures consented traffic; anyone else, with no
@@ -94,8 +94,10 @@ def up(
     demo: Annotated[bool, typer.Option(help="Send consented demo traffic and retrain on it (demo policy)")]
     = False,
     demo_prompts: Annotated[DemoPrompts, typer.Option(
-        help="The demo traffic's prompt set: formal-logic (narrow and templated: the +50% τ case) or humaneval "
-             "(code)")] = "formal-logic",
+        help="The demo traffic's prompt set: formal-logic (narrow and templated: the +50% τ case), humaneval "
+             "(code) or file (--demo-prompts-file)")] = "formal-logic",
+    demo_prompts_file: Annotated[Path | None, typer.Option(
+        help='--demo-prompts file: a JSONL of {"messages": [...]} per line')] = None,
     mlflow_port: Annotated[int, typer.Option(help="MLflow UI port; 0 picks a free one")] = 5000,
     daemon_port: Annotated[int, typer.Option(help="The daemon's /health and /metrics port; 0 picks one")] = 8100,
 ) -> None:
@@ -103,6 +105,7 @@ def up(
     from specloop.consent.settings import ConsentSettings
     from specloop.engine.server.cli import load_settings, run_server
 
+    _check_demo_prompts(demo_prompts, demo_prompts_file)
     broker_port = broker_port or free_port()
     options = {k: v for k, v in {"model": model, "host": host, "port": port}.items() if v is not None}
     settings = load_settings({**options, "kafka_bootstrap": f"127.0.0.1:{broker_port}"})
@@ -130,12 +133,24 @@ def up(
             if demo_key is not None:
                 daemon_url = f"http://127.0.0.1:{daemon_port}" if retrain else None
                 _start_demo_traffic(stack, engine_url, demo_key, consent.admin_token, data / "demo", daemon_url,
-                                    demo_prompts)
+                                    demo_prompts, demo_prompts_file)
             run_server(settings)
         except _Stopped as stopped:
             log.info("%s: stopping server, sink and broker in order", stopped)
         finally:
             _handle_stop_signals(_already_stopping)
+
+
+def _check_demo_prompts(source: DemoPrompts, prompts_file: Path | None) -> None:
+    """Refuse a prompt set the demo traffic could not send, before anything starts."""
+    from specloop.daemon.training.prompts import prompt_set
+
+    try:
+        prompts = prompt_set(source, prompts_file)
+    except ValueError as e:
+        raise typer.BadParameter(str(e).removeprefix("prompts_file: "), param_hint="'--demo-prompts-file'") from e
+    if not prompts:
+        raise typer.BadParameter("holds no prompts", param_hint="'--demo-prompts-file'")
 
 
 def _demo_tenant(data_dir: Path) -> str:
@@ -173,11 +188,12 @@ def _start_daemon(stack: ExitStack, settings: "ServerSettings", consent: "Consen
 
 
 def _start_demo_traffic(stack: ExitStack, engine_url: str, key: str, admin_token: str, out: Path,
-                        daemon_url: str | None, prompts: DemoPrompts) -> None:
+                        daemon_url: str | None, prompts: DemoPrompts, prompts_file: Path | None) -> None:
     """`specloop replay` of the demo's prompts, over and over, as consented users of the demo tenant;
     paused while the daemon trains, which on 2 cores would otherwise run at half speed."""
     out.mkdir(parents=True, exist_ok=True)
-    command = specloop_command("replay", "--url", engine_url, "--source", prompts, "--api-key", key, "--tenant",
+    source = ["--source", prompts] + (["--prompts-file", str(prompts_file.resolve())] if prompts_file else [])
+    command = specloop_command("replay", "--url", engine_url, *source, "--api-key", key, "--tenant",
                                DEMO_TENANT, "--users", "8", "--concurrency", str(_DEMO_CONCURRENCY), "--max-tokens",
                                "192", "--repeat", "--record", str(out / "traffic.jsonl"), "--dead-after-s",
                                str(_DEMO_WAIT_S))
