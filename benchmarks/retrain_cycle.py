@@ -191,6 +191,7 @@ def systems(data: Path, run_id: str, heldout: list, version: str, live_prompts: 
     import pyarrow.parquet as pq
     import torch
 
+    from benchmarks.suffix_decoding import live as live_generation
     from specloop.daemon.evaluation.replay import NAMESPACE, replay
     from specloop.daemon.evaluation.speed_gain import paired_speed_gain
     from specloop.daemon.evaluation.step_cost import CostModel
@@ -242,10 +243,11 @@ def systems(data: Path, run_id: str, heldout: list, version: str, live_prompts: 
     live = {}
     prompts = ids[:live_prompts]
     for c in concurrency:
-        plain_s, plain_out, _ = _generate(loaded, None, prompts, c)
+        plain_s, _, plain_out = live_generation(loaded, None, prompts, c, MAX_TOKENS)
         row = {"plain": {"tokens_per_s": round(plain_s, 1)}}
         for name in (SUFFIX, SHIPPED, RETRAINED):
-            tok_s, outputs, tau = _generate(loaded, proposer(name, ""), prompts, c)  # generate()'s tenant is ""
+            # generate() serves tenant "": the proposer's cache holds the warm traces under that name
+            tok_s, tau, outputs = live_generation(loaded, proposer(name, ""), prompts, c, MAX_TOKENS)
             row[name] = {"tokens_per_s": round(tok_s, 1), "speedup": round(tok_s / plain_s, 3),
                          "tau": round(tau, 3) if tau else None, "lossless": outputs == plain_out}
             print("live", f"c{c}", name, json.dumps(row[name]), flush=True)
@@ -265,21 +267,6 @@ def systems(data: Path, run_id: str, heldout: list, version: str, live_prompts: 
         "live_systems": {"prompts": len(prompts), "max_tokens": MAX_TOKENS, **live},
         "loop_gain": _loop_gain(replayed, live),
     }
-
-
-def _generate(loaded: object, proposer: object, prompts: list[list[int]], concurrency: int) -> tuple:
-    """(tokens/s, outputs, τ or None) of generating every prompt in order at `concurrency`."""
-    from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
-    from specloop.engine.runtime.sequence import SamplingParams
-
-    engine = LLMEngine(loaded.model, EngineConfig(num_slots=concurrency, max_len=2048),
-                       loaded.tokenizer.eos_token_ids, proposer)
-    started = time.perf_counter()
-    seqs = engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
-    seconds = time.perf_counter() - started
-    drafts = sum(s.spec.drafts for s in seqs)
-    tau = 1 + sum(s.spec.accepted_tokens for s in seqs) / drafts if drafts else None
-    return sum(len(s.output_ids) for s in seqs) / seconds, [s.output_ids for s in seqs], tau
 
 
 def _loop_gain(replayed: dict, live: dict) -> dict:
