@@ -148,4 +148,4 @@ def test_adversarial_input_stays_fast() -> None:
     start = time.perf_counter()
     for text in texts:
         scan(text)
-    assert time.perf_counter() - start < 2.0
+    assert time.perf_counter() - start < 10.0  # catastrophic backtracking takes minutes; 0.8 s on a Zen 3
