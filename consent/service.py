@@ -89,8 +89,9 @@ class ConsentService:
         if erase:
             if self.erase_traces is None:
                 raise InvalidField("erase", "trace erasure is not available here")
-            revoked, entry = revoke_and_erase(self.registry, self.erase_traces, self.config.traces_root, tenant,
-                                              pseudonym, self.config.audit_log_path, actor, purpose)
+            revoked, entry = revoke_and_erase(self.registry, self.erase_traces, self.config.traces_root,
+                                              self.config.work_dir, tenant, pseudonym, self.config.audit_log_path,
+                                              actor, purpose)
             return RevokeOutcome(revoked, entry)
         revoked = self.registry.revoke(tenant, pseudonym, purpose)
         append_audit(self.config.audit_log_path, "revoke", actor, tenant=tenant, subject=pseudonym,

@@ -34,6 +34,7 @@ class ConsentConfig:
     registry_path: Path
     audit_log_path: Path
     traces_root: Path
+    work_dir: Path  # the retraining daemon's, whose run datasets erasure scrubs
     tenants_path: Path | None
     pii_mode: PiiMode
 
@@ -49,6 +50,7 @@ class ConsentSettings(BaseSettings):
     consent_db: Path | None = None
     audit_log: Path | None = None
     traces_root: Path | None = None
+    daemon_work_dir: Path | None = None  # SPECLOOP_DAEMON_WORK_DIR, as the daemon reads it
     tenants_file: Path | None = None
     pii_mode: PiiMode = "drop"
 
@@ -70,6 +72,7 @@ class ConsentSettings(BaseSettings):
             registry_path=self.consent_db or self.data_dir / "consent.db",
             audit_log_path=self.audit_log or self.data_dir / "consent-audit.jsonl",
             traces_root=self.traces_root or self.data_dir / "traces",
+            work_dir=self.daemon_work_dir or self.data_dir / "daemon" / "runs",
             tenants_path=self.tenants_file,
             pii_mode=self.pii_mode,
         )

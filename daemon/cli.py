@@ -33,12 +33,12 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help="specloop: a 
 
 
 
-def _erase_traces(root: Path, tenant: str, subject: str) -> "ErasureResult":
+def _erase_traces(root: Path, tenant: str, subject: str, work_dir: Path) -> "ErasureResult":
     """storage's Parquet rewrite for `specloop consent revoke --erase`: here, above both consent and
     storage, is where the two meet (imported when used: pyarrow and DuckDB would slow every command)."""
     from specloop.storage.erasure import erase_subject
 
-    return erase_subject(root, tenant, subject)
+    return erase_subject(root, tenant, subject, work_dir)
 
 
 for module in (engine_cli, loaders_cli, generate, training_cli, build_dataset, storage_cli, stack, retrain_cli,

@@ -2,7 +2,8 @@
 
 Modules: `schema` (the record and its Arrow shape), `producer` (engine -> Kafka), `sink`
 (Kafka -> Parquet), `layout` (paths, durable writes, the live file list), `compaction`, `erasure`,
-`dataset` (DuckDB builder), `sequences` (the token sequences trainer and evaluator read, from
+`erased` (the erased-subjects journal the sink applies), `dataset_copies` (run datasets scrubbed by
+subject, with lineage), `dataset` (DuckDB builder), `sequences` (the token sequences trainer and evaluator read, from
 Parquet or JSONL), `registry` (the drafter registry contract), `broker` (embedded tansu for
 development and tests), `child_process`, `cli`.
 """

@@ -1,13 +1,16 @@
-"""Erasure: rewrite every Parquet file holding a subject's traces without them.
+"""Erasure: every copy of a subject's traces under the traces root and the daemon's work directory.
 
-Each affected file is replaced atomically (temp, fsync, rename, dir fsync) under the same name, so
-a reader sees the file before or after, never half of it; a file left with no rows stays as an
-empty file to keep the sink's naming intact. Erasure holds the root's maintenance lock and first
-finishes any interrupted compaction, so it never races a merge.
+Under the root's maintenance lock, in order: the erasure is appended to the root's journal
+(`specloop.storage.erased`), so the sink drops the subject's rows that are still in flight or that
+Kafka replays later; any interrupted compaction is finished; every live or compacted Parquet file
+holding the subject is replaced atomically (temp, fsync, rename, dir fsync) under the same name, so
+a reader sees the file before or after, never half of it (a file left with no rows stays as an
+empty file to keep the sink's naming intact); then, given the daemon's work directory, every
+dataset a run built is scrubbed of the subject (`specloop.storage.dataset_copies`), and the runs
+whose training split held them are reported with the drafter versions they registered.
 
-Limit: a sink batch not yet committed when erasure runs is replayed from Kafka and can bring the
-subject's rows back; the dataset builder still excludes them (it joins against consent), and
-running erasure again after the sink has caught up removes them. This module is not the consent
+Not erased here: Kafka's own copies (they expire by the topics' retention, `specloop.storage.broker`)
+and drafter weights (the daemon's `on_erasure` policy decides). This module is not the consent
 registry and writes no audit log: consent's revocation is handed `erase_subject` by the code that
 joins the two (`consent/erasure.py` says where) and records the result.
 """
@@ -22,18 +25,25 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from specloop.storage.compaction import finish_pending
+from specloop.storage.dataset_copies import Lineage, scrub_subject
+from specloop.storage.erased import record_erasure
 from specloop.storage.layout import exclusive, live_files, write_parquet_atomic
 from specloop.storage.schema import ARROW_SCHEMA
 
 
 @dataclass(frozen=True, slots=True)
 class ErasureResult:
+    erasure_id: str  # the journal entry the sink and the daemon apply to later copies
     files_rewritten: tuple[Path, ...]
     rows_removed: int
+    dataset_files_rewritten: tuple[Path, ...] = ()
+    dataset_rows_removed: int = 0
+    trained_on: tuple[Lineage, ...] = ()  # runs (and their drafter versions) whose training set held them
 
 
-def erase_subject(root: Path, tenant: str, subject: str) -> ErasureResult:
-    """Remove every trace of (`tenant`, `subject`) from the Parquet files under `root`."""
+def erase_subject(root: Path, tenant: str, subject: str, work_dir: Path | None = None) -> ErasureResult:
+    """Remove every trace of (`tenant`, `subject`) from the Parquet files under `root` and, when
+    given, from the datasets under the daemon's `work_dir`."""
     if not tenant or not subject:
         raise ValueError("tenant and subject must be non-empty")
     if not root.is_dir():  # a wrong root would otherwise be created empty and audited "ok, 0 rows"
@@ -41,11 +51,30 @@ def erase_subject(root: Path, tenant: str, subject: str) -> ErasureResult:
     rewritten: list[Path] = []
     removed = 0
     with exclusive(root):
+        erasure = record_erasure(root, tenant, subject)
         finish_pending(root)
-        for path in _affected_files(root, tenant, subject):
+        affected = _affected_files(root, tenant, subject)
+        trace_ids = _trace_ids(affected, tenant, subject)
+        for path in affected:
             removed += _rewrite_without(path, tenant, subject)
             rewritten.append(path)
-    return ErasureResult(tuple(rewritten), removed)
+    if work_dir is None:
+        return ErasureResult(erasure.erasure_id, tuple(rewritten), removed)
+    scrubbed = scrub_subject(work_dir, erasure, trace_ids)
+    return ErasureResult(erasure.erasure_id, tuple(rewritten), removed, scrubbed.files_rewritten,
+                         scrubbed.rows_removed, scrubbed.trained_on)
+
+
+def _trace_ids(files: list[Path], tenant: str, subject: str) -> frozenset[str]:
+    """The subject's trace ids, for dataset copies older than the subject column."""
+    if not files:
+        return frozenset()
+    rows = duckdb.execute(
+        "SELECT DISTINCT trace_id FROM read_parquet($files, hive_partitioning = false) "
+        "WHERE tenant = $tenant AND subject = $subject",
+        {"files": [str(p) for p in files], "tenant": tenant, "subject": subject},
+    ).fetchall()
+    return frozenset(t for (t,) in rows)
 
 
 def _affected_files(root: Path, tenant: str, subject: str) -> list[Path]:

@@ -97,6 +97,22 @@ def write_json_atomic(target: Path, document: dict) -> None:
     _atomic_write(target, lambda temp: temp.write_text(json.dumps(document, indent=2, sort_keys=True)))
 
 
+def append_json_line(path: Path, document: dict) -> None:
+    """Append `document` as one JSON line, durably: one O_APPEND write (concurrent appenders never
+    interleave, a crash leaves no partial line), fsynced, and the directory fsynced on creation."""
+    line = (json.dumps(document, sort_keys=True) + "\n").encode()
+    created = not path.exists()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        written = os.write(fd, line)
+        assert written == len(line), f"short write to {path}"
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if created:
+        fsync_dir(path.parent)
+
+
 def remove_durably(paths: list[Path]) -> None:
     """Unlink `paths` (missing ones are fine) and fsync their directories."""
     for path in paths:
@@ -140,10 +156,25 @@ def live_files(root: Path, base_model: str | None = None) -> list[Path]:
 
 @contextmanager
 def exclusive(root: Path) -> Iterator[None]:
-    """Hold the root's maintenance lock: compaction and erasure never run at the same time."""
+    """Hold the root's maintenance lock: compaction and erasure never run at the same time, nor
+    while a sink writes (`shared`)."""
+    with _locked(root, fcntl.LOCK_EX):
+        yield
+
+
+@contextmanager
+def shared(root: Path) -> Iterator[None]:
+    """Hold the root's lock shared, as the sink does from reading the erasure journal to writing its
+    files: an erasure then either sees those files or is in the journal the sink read."""
+    with _locked(root, fcntl.LOCK_SH):
+        yield
+
+
+@contextmanager
+def _locked(root: Path, mode: int) -> Iterator[None]:
     root.mkdir(parents=True, exist_ok=True)
     with open(root / LOCK_NAME, "a+") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        fcntl.flock(handle.fileno(), mode)
         try:
             yield
         finally:

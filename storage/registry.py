@@ -75,6 +75,7 @@ class Tag:
     RUN = "retrain_run"  # the daemon run that produced it
     BOOTSTRAP_FROM = "bootstrap_from"  # the base model whose prompts a first drafter was trained on
     TAU_CANARY = "tau_canary"  # τ on the canary probes at registration (engine/speculation/canary.py)
+    TRAINED_ON_ERASED = "trained_on_erased"  # how many subjects erased since were in its training set
 
 
 class Approval(StrEnum):

@@ -14,7 +14,9 @@ waits for the dead-letter sends and only then commits `next`. Hence, per partiti
 * if the group has no committed offset (a new group id over an existing store), the files are the
   record: the newest batch of the partition is treated as unfinished and replayed.
 
-A crash at any instruction therefore neither loses nor duplicates a row. A write that would replace
+A crash at any instruction therefore neither loses nor duplicates a row. Every batch is filtered
+by the erasure journal (`specloop.storage.erased`) as it is written, under the root's lock held
+shared, so a trace of a subject erased while it was in flight, or replayed later, never lands. A write that would replace
 a file not removed by that reconciliation means offsets went backwards (a broker that lost its
 log); the sink stops rather than overwrite data. Within a batch, copies of a trace_id keep the
 first. Messages that are not valid v1 traces, and valid ones that Parquet cannot hold (an int past
@@ -51,7 +53,8 @@ from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from pydantic import BaseModel, ConfigDict, Field
 
-from specloop.storage.layout import hive_dir, remove_durably, sink_file_name, sink_files, write_parquet_atomic
+from specloop.storage.erased import read_erasures, without_erased
+from specloop.storage.layout import hive_dir, remove_durably, shared, sink_file_name, sink_files, write_parquet_atomic
 from specloop.storage.schema import TraceRejected, TraceRow, decode_row, rows_to_arrow
 
 log = logging.getLogger(__name__)
@@ -128,6 +131,10 @@ class _Metrics:
         )
         self.duplicates = Counter(
             "specloop_sink_duplicates_total", "Repeated trace_ids dropped within a batch.", registry=registry
+        )
+        self.erased = Counter(
+            "specloop_sink_erased_total", "Traces dropped because their subject was erased after they were "
+            "captured (in flight, or replayed from Kafka).", registry=registry
         )
         self.dead_lettered = Counter(
             "specloop_sink_dead_lettered_total",
@@ -278,13 +285,19 @@ class TraceSink:
             self._to_arrow(source, batch, hive)
         name = sink_file_name(source[0], source[1], batch.first_offset)
         written = 0
-        for (base_model, day), tables in batch.tables.items():
-            target = hive_dir(self.config.root, base_model, day) / name
-            if target.exists():
-                raise RuntimeError(f"{target} exists: offsets of {source} went backwards; refusing to overwrite")
-            table = pa.concat_tables(tables)
-            write_parquet_atomic(target, table)
-            written += table.num_rows
+        # Erasure holds the lock exclusively from journalling to rewriting: a batch that was in
+        # flight when a subject was erased loses their rows here, and one written before is erased.
+        with shared(self.config.root):
+            erasures = read_erasures(self.config.root)
+            for (base_model, day), tables in batch.tables.items():
+                target = hive_dir(self.config.root, base_model, day) / name
+                if target.exists():
+                    raise RuntimeError(f"{target} exists: offsets of {source} went backwards; refusing to overwrite")
+                table, erased = without_erased(pa.concat_tables(tables), erasures)
+                self._metrics.erased.inc(erased)
+                if table.num_rows:
+                    write_parquet_atomic(target, table)
+                written += table.num_rows
         return written
 
     def _await_dead_letters(self) -> None:

@@ -174,6 +174,8 @@ def test_references_resolve() -> None:
                 assert volume["persistentVolumeClaim"]["claimName"] in claims, (name, volume)
             if "configMap" in volume:
                 assert volume["configMap"]["name"] in maps, (name, volume)
+            if "secret" in volume:
+                assert volume["secret"]["secretName"] in secrets, (name, volume)
         for container in spec["containers"]:
             for mount in container.get("volumeMounts", []):
                 assert mount["name"] in volumes, (name, mount)
@@ -242,6 +244,19 @@ def test_daemon_scrapes_every_engine_replica_by_its_own_name() -> None:
 def test_grace_periods_cover_the_stop_budgets() -> None:
     for workload, command in (("specloop-sink", "sink"), ("specloop-daemon", "daemon")):
         assert pod_spec(workloads()[workload])["terminationGracePeriodSeconds"] >= STOP_BUDGET_S[command]
+
+
+def test_the_tenants_file_is_a_secret_and_the_example_is_refused(tmp_path: Path) -> None:
+    """API keys are never deployed from the example file, and a copy of the example Secret fails at start."""
+    from specloop.consent.tenants import TenantDirectory
+
+    for path in deploy_files():
+        assert "tenants.example.yaml:" not in path.read_text() and "=../tenants.example" not in path.read_text(), path
+    example = tmp_path / "tenants.yaml"
+    example.write_text(by_kind("Secret")["specloop-tenants"]["stringData"]["tenants.yaml"])
+    with pytest.raises(ValueError, match="placeholder"):
+        TenantDirectory.load(example)
+    assert compose()["secrets"]["tenants"]["file"].startswith("${TENANTS_FILE_ON_HOST:?")
 
 
 def test_secret_example_values_are_refused() -> None:
@@ -353,6 +368,12 @@ def unit_files() -> list[Path]:
 def environment_files(path: Path) -> list[str]:
     """Every EnvironmentFile of a unit (systemd takes several; configparser would keep the last)."""
     return re.findall(r"^EnvironmentFile=(.+)$", path.read_text(), re.MULTILINE)
+
+
+def unit_environment(path: Path) -> dict[str, str]:
+    """A unit's own `Environment=` settings, the credentials directory (`%d`) as systemd fills it in."""
+    found = re.findall(r"^Environment=(.+)$", path.read_text(), re.MULTILINE)
+    return {k: v.replace("%d", f"/run/credentials/{path.name}") for k, v in (f.partition("=")[::2] for f in found)}
 
 
 def env_example() -> dict[str, str]:
@@ -494,10 +515,11 @@ def deployed_services() -> dict[str, tuple[dict[str, str], list[str], dict[str, 
     secret_names = set(by_kind("Secret")["specloop-secrets"]["stringData"])
     k8s_engine = {k: v for k, v in container_env(the_container("specloop-engine")).items() if k not in secret_names}
     systemd_daemon = next(p for p in unit_files() if exec_start(p)[1:2] == ["daemon"])
+    systemd_engine = next(p for p in unit_files() if exec_start(p)[1:2] == ["serve"])
     return {
         "compose": (compose_env(compose_service("serve")[1]), compose_argv(compose_service("daemon")[1]),
                     compose_env(compose_service("daemon")[1])),
-        "systemd": (env_example(), exec_start(systemd_daemon), env_example()),
+        "systemd": ({**env_example(), **unit_environment(systemd_engine)}, exec_start(systemd_daemon), env_example()),
         "kubernetes": (k8s_engine, argv(the_container("specloop-daemon")),
                        container_env(the_container("specloop-daemon"))),
     }

@@ -12,6 +12,7 @@ Not here: acting on a policy (`daemon/retrain/run.py`, `service.py`, `rollback.p
 things are stored (`daemon/retrain/settings.py`: registry URI, trace root, state database).
 """
 
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -63,6 +64,14 @@ class Triggers(_Section):
     live_tau_below: Annotated[float, Field(ge=1)] | None = None
 
 
+class OnErasure(StrEnum):
+    """What happens to a drafter trained on a subject erased since (`erasures.py`)."""
+
+    KEEP = "keep"
+    FLAG = "flag"
+    RETIRE = "retire"
+
+
 class Data(_Section):
     """The training dataset: the newest `max_traces` consented traces of the last `window_days`."""
 
@@ -73,6 +82,9 @@ class Data(_Section):
     # A base model with no champion and too few traces of its own trains on the prompts of the base
     # model with the most traces, answered again by the new target (`bootstrap.py`).
     bootstrap_from_other_models: bool = True
+    # What happens to a registered drafter whose training set held a subject erased since
+    # (`erasures.py`): keep it, flag it in the registry, or retire it from champion as well.
+    on_erasure: OnErasure = OnErasure.FLAG
 
 
 class Training(_Section):

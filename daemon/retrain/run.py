@@ -52,6 +52,7 @@ from specloop.daemon.retrain.settings import DaemonSettings
 from specloop.engine.loaders.load import LoadedModel
 from specloop.engine.speculation.drafter_artifact import max_artifact_bytes, read_meta
 from specloop.storage.dataset import DatasetManifest, build_dataset
+from specloop.storage.dataset_copies import record_lineage
 from specloop.storage.registry import Approval, DrafterRegistry, DrafterVersion, RegistryUnavailable, Tag, tau_tags
 from specloop.storage.sequences import TokenSequence, digest
 
@@ -151,6 +152,7 @@ class RetrainRun:
             if withdrawn is not None:
                 return RunOutcome.CONSENT_WITHDRAWN, f"nothing registered: {withdrawn}"
             version = self._register(prepared, contest, decision, result, champion, tau_canary)
+            record_lineage(self.dir, loop.base_model, version.version)  # what erasure reports
         self.loop.runs.step(self.run_id, "registered", self.timings, version.version)
         with self._step("promote"):
             withdrawn = self._withdrawn(prepared)

@@ -33,6 +33,7 @@ from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
 from specloop.consent.registry import ConsentRegistry
+from specloop.daemon.retrain.erasures import ErasureFollowUp
 from specloop.daemon.retrain.history import Action, PromotionHistory
 from specloop.daemon.retrain.lease import Lease, LeaseHeld, daemon_identity
 from specloop.daemon.retrain.live_tau import LiveTau
@@ -73,6 +74,8 @@ class RetrainDaemon:
         self.live = LiveTau(self.db)
         self.watch = Watch(self.base_model, self.loop.registry, self.loop.history, self.live, policy.rollout,
                            list(settings.engines), settings.plot)
+        self.erasures = ErasureFollowUp(self.base_model, settings.traces_root, settings.work_dir, self.loop.registry,
+                                        self.loop.history, policy.data.on_erasure)
         self.metrics = DaemonMetrics()
         self.owner = daemon_identity()
         self.stop = threading.Event()
@@ -209,12 +212,13 @@ class RetrainDaemon:
             log.warning("not resuming unfinished runs now (MLflow unavailable: %s); the next start will", e)
 
     def _watch(self) -> None:
-        try:
-            self.watch()
-        except RegistryUnavailable as e:
-            log.warning("watch: MLflow unavailable: %s", e)
-        except Exception:  # the watch must outlive any one failure; the next one tries again
-            log.exception("watch failed")
+        for job in (self.watch, self.erasures):
+            try:
+                job()
+            except RegistryUnavailable as e:
+                log.warning("watch: MLflow unavailable: %s", e)
+            except Exception:  # the watch must outlive any one failure; the next one tries again
+                log.exception("watch failed")
 
     def _schedule_tick(self) -> None:
         """Keep the stored job (and its next run time, which may be overdue: a misfire) unless the

@@ -24,6 +24,7 @@ def config(tmp_path: Path) -> ConsentConfig:
         registry_path=tmp_path / "consent.db",
         audit_log_path=tmp_path / "audit.jsonl",
         traces_root=tmp_path / "traces",
+        work_dir=tmp_path / "daemon" / "runs",
         tenants_path=None,
         pii_mode="drop",
     )

@@ -30,7 +30,7 @@ def test_revoke_and_erase(registry: ConsentRegistry, config: ConsentConfig,
     before = untouched.stat().st_mtime_ns
     assert subject_rows("acme", gone) == 2
 
-    revoked, entry = revoke_and_erase(registry, erase_subject, config.traces_root, "acme", gone,
+    revoked, entry = revoke_and_erase(registry, erase_subject, config.traces_root, config.work_dir, "acme", gone,
                                       config.audit_log_path, actor="test:ops")
 
     assert [r.consent_id for r in revoked] == [consent.consent_id]
@@ -55,8 +55,8 @@ def test_erase_is_repeatable(registry: ConsentRegistry, config: ConsentConfig,
     subject = pseudonymizer.subject("acme", "u1")
     write_traces([("acme", subject)], 0)
     for _ in range(2):
-        revoke_and_erase(registry, erase_subject, config.traces_root, "acme", subject, config.audit_log_path,
-                         actor="test")
+        revoke_and_erase(registry, erase_subject, config.traces_root, config.work_dir, "acme", subject,
+                         config.audit_log_path, actor="test")
     entries = [json.loads(x) for x in config.audit_log_path.read_text().splitlines()]
     assert [e["erasure"]["rows_removed"] for e in entries] == [1, 0]
 
@@ -64,14 +64,13 @@ def test_erase_is_repeatable(registry: ConsentRegistry, config: ConsentConfig,
 def test_failed_erasure_is_audited_and_raised(
     registry: ConsentRegistry, config: ConsentConfig, pseudonymizer: Pseudonymizer
 ) -> None:
-    def broken(root: Path, tenant: str, subject: str) -> None:
+    def broken(root: Path, tenant: str, subject: str, work_dir: Path) -> None:
         raise OSError("disk full")
 
     subject = pseudonymizer.subject("acme", "u1")
     registry.grant("acme", subject, "drafter_training", "v1", "test")
     with pytest.raises(OSError, match="disk full"):
-        revoke_and_erase(registry, broken, config.traces_root, "acme", subject, config.audit_log_path,
-                         actor="test")
+        revoke_and_erase(registry, broken, config.traces_root, config.work_dir, "acme", subject, config.audit_log_path, actor="test")
     [entry] = [json.loads(x) for x in config.audit_log_path.read_text().splitlines()]
     assert entry["status"] == "failed" and "disk full" in entry["error"]
     assert registry.list(subject=subject)[0].revoked_at is not None  # revoked even so
@@ -85,7 +84,7 @@ def test_a_wrong_traces_root_is_an_error_not_an_empty_success(
     registry.grant("acme", subject, "drafter_training", "v1", "test")
     wrong = tmp_path / "no-such-traces"
     with pytest.raises(FileNotFoundError, match="nothing was erased"):
-        revoke_and_erase(registry, erase_subject, wrong, "acme", subject, config.audit_log_path, actor="test")
+        revoke_and_erase(registry, erase_subject, wrong, config.work_dir, "acme", subject, config.audit_log_path, actor="test")
     assert not wrong.exists()
     [entry] = [json.loads(x) for x in config.audit_log_path.read_text().splitlines()]
     assert entry["status"] == "failed" and "no-such-traces" in entry["error"]

@@ -34,3 +34,44 @@ def test_erasure_removes_only_the_subjects_rows(tmp_path: Path) -> None:
     assert len(live_files(tmp_path)) == 3  # an emptied file stays, keeping the sink's names
     assert erase_subject(tmp_path, "acme", SUBJECT_A).rows_removed == 0
     assert not list(directory.glob(".*.tmp"))
+
+
+def _run_dataset(work_dir: Path, run: str, traces: list, split: str = "train") -> Path:
+    from specloop.storage.dataset import OUTPUT_COLUMNS
+
+    path = work_dir / run / "dataset" / f"{split}.parquet"
+    write_parquet_atomic(path, to_arrow(traces).select(list(OUTPUT_COLUMNS)))
+    return path
+
+
+def test_run_datasets_are_scrubbed_and_the_drafters_they_trained_are_named(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    from specloop.storage.dataset_copies import record_lineage, trained_on_erased
+
+    root, work = tmp_path / "traces", tmp_path / "runs"
+    gone = make_trace("gone-1", subject=SUBJECT_A)
+    write_parquet_atomic(hive_dir(root, "fp-test", "2025-03-01") / sink_file_name("traces", 0, 0), to_arrow([gone]))
+    trained = _run_dataset(work, "run-1", [gone, make_trace("kept-1", subject=SUBJECT_B)])
+    _run_dataset(work, "run-1", [make_trace("gone-2", subject=SUBJECT_A)], "eval")
+    record_lineage(work / "run-1", "fp-test", "4")
+    evaluated_only = _run_dataset(work, "run-2", [make_trace("gone-3", subject=SUBJECT_A)], "eval")
+    untouched = _run_dataset(work, "run-3", [make_trace("kept-2", subject=SUBJECT_B)])
+    # A dataset from before datasets kept the subject: scrubbed by the trace ids found in the store.
+    old = work / "run-4" / "dataset" / "train.parquet"
+    write_parquet_atomic(old, to_arrow([gone, make_trace("kept-3", subject=SUBJECT_B)]).select(
+        ["trace_id", "endpoint", "prompt_token_ids", "response_token_ids"]))
+    mtime = untouched.stat().st_mtime_ns
+
+    result = erase_subject(root, "acme", SUBJECT_A, work)
+
+    assert result.rows_removed == 1 and result.dataset_rows_removed == 4
+    assert pq.read_table(trained)["trace_id"].to_pylist() == ["kept-1"]
+    assert pq.read_table(evaluated_only).num_rows == 0
+    assert pq.read_table(old)["trace_id"].to_pylist() == ["kept-3"]
+    assert untouched.stat().st_mtime_ns == mtime
+    assert [(x.run_id, x.base_model, x.version) for x in result.trained_on] == [
+        ("run-1", "fp-test", "4"), ("run-4", None, None)]
+    assert trained_on_erased(work / "run-1") == [result.erasure_id]
+    assert trained_on_erased(work / "run-2") == []  # judged on them, not trained on them
+    assert erase_subject(root, "acme", SUBJECT_A, work).dataset_rows_removed == 0

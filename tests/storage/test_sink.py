@@ -141,3 +141,26 @@ def test_an_unknown_client_setting_is_a_value_error_naming_kafka_config(tmp_path
     config = SinkConfig(bootstrap_servers="127.0.0.1:9", root=tmp_path, kafka_config={"no.such.setting": 1})
     with pytest.raises(ValueError, match="kafka_config.*no.such.setting"):
         TraceSink(config, registry=CollectorRegistry())
+
+
+def test_a_trace_in_flight_when_its_subject_was_erased_never_lands(
+    sink_config: SinkConfig, running_sink: Callable[[], None]
+) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from specloop.storage.erased import record_erasure
+    from tests.storage.traces import SUBJECT_B
+
+    sink_config.root.mkdir(parents=True)
+    erased_at = datetime.now(UTC)
+    record_erasure(sink_config.root, "acme", make_trace().subject, erased_at)
+    traces = [make_trace("in-flight", created_at=erased_at - timedelta(seconds=2)),  # captured before the erasure
+              make_trace("granted-again", created_at=erased_at + timedelta(seconds=1)),
+              make_trace("someone-else", created_at=erased_at - timedelta(seconds=2), subject=SUBJECT_B)]
+    producer = TraceProducer(sink_config.bootstrap_servers, sink_config.topic, registry=CollectorRegistry())
+    assert all(producer.submit(t) for t in traces)
+    producer.close(timeout=20)
+
+    _wait_for_rows(sink_config.root, 2)
+    time.sleep(1.5)  # three flush intervals: the erased trace had its chance to land
+    assert [r[0] for r in _rows(sink_config.root)] == ["granted-again", "someone-else"]

@@ -1,0 +1,118 @@
+"""Copies of traces made by dataset builds, found and scrubbed by subject, with their lineage.
+
+A retraining run builds its dataset under `<work dir>/<run>/` (`dataset/`, or `bootstrap/<fingerprint>/`
+when it answered another base model's prompts): Parquet files with each trace's `tenant`, `subject`,
+`created_at` and `trace_id` (`specloop.storage.dataset.OUTPUT_COLUMNS`). Once the run registers a
+drafter it writes `<run>/registered.json` naming the version (`record_lineage`), so a scrub can say
+which drafter versions were trained on a subject without asking MLflow.
+
+`scrub_subject` rewrites every such file without an erased subject's rows (the journal's rule,
+`specloop.storage.erased.without_erased`; older datasets without a `subject` column by trace id),
+atomically, reports the runs whose training split held the subject, and appends to each affected
+run's `erasures.jsonl` (erasure id, rows removed, whether from the training split): the run keeps
+the record that its drafter learned from someone since erased, after the rows are gone. Files that
+are not trace copies (drafter weights, manifests with counts only) are left alone. This module does not decide
+what happens to the drafters trained on a subject (the daemon's `on_erasure` policy does).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from specloop.storage.erased import Erasure, without_erased
+from specloop.storage.layout import append_json_line, write_json_atomic, write_parquet_atomic
+
+LINEAGE_NAME = "registered.json"
+RUN_ERASURES_NAME = "erasures.jsonl"
+TRAIN_FILE = "train.parquet"
+
+
+@dataclass(frozen=True, slots=True)
+class Lineage:
+    """A run that trained on the subject, and the drafter version it registered (None: none yet)."""
+
+    run_id: str
+    base_model: str | None
+    version: str | None
+
+    @property
+    def label(self) -> str:
+        return f"{self.run_id}: " + ("nothing registered" if self.version is None else
+                                     f"{self.base_model} v{self.version}")
+
+
+@dataclass(frozen=True, slots=True)
+class ScrubResult:
+    files_rewritten: tuple[Path, ...]
+    rows_removed: int
+    trained_on: tuple[Lineage, ...]  # runs whose training split held the subject
+
+
+def record_lineage(run_dir: Path, base_model: str, version: str) -> None:
+    """Note in the run's directory which drafter version its dataset trained."""
+    write_json_atomic(run_dir / LINEAGE_NAME, {"base_model": base_model, "version": version})
+
+
+def read_lineage(run_dir: Path) -> Lineage:
+    path = run_dir / LINEAGE_NAME
+    if not path.exists():
+        return Lineage(run_dir.name, None, None)
+    document = json.loads(path.read_text())
+    return Lineage(run_dir.name, document["base_model"], document["version"])
+
+
+def scrub_subject(work_dir: Path, erasure: Erasure, trace_ids: frozenset[str] = frozenset()) -> ScrubResult:
+    """Rewrite every dataset copy under `work_dir` without `erasure`'s subject (and `trace_ids`)."""
+    rewritten: list[Path] = []
+    per_run: dict[str, list[int | bool]] = {}  # run -> [rows removed, whether from a training split]
+    if not work_dir.is_dir():
+        return ScrubResult((), 0, ())
+    for path in sorted(work_dir.rglob("*.parquet")):
+        if path.name.startswith("."):  # a writer's temp file, gone when it finishes
+            continue
+        count = _scrub_file(path, erasure, trace_ids)
+        if count:
+            rewritten.append(path)
+            run = per_run.setdefault(path.relative_to(work_dir).parts[0], [0, False])
+            run[0] += count
+            run[1] = run[1] or path.name == TRAIN_FILE
+    for run, (count, trained) in per_run.items():
+        append_json_line(work_dir / run / RUN_ERASURES_NAME,
+                         {"erasure_id": erasure.erasure_id, "rows_removed": count, "trained": trained})
+    lineage = tuple(read_lineage(work_dir / run) for run, (_, trained) in sorted(per_run.items()) if trained)
+    return ScrubResult(tuple(rewritten), sum(int(c) for c, _ in per_run.values()), lineage)
+
+
+def trained_on_erased(run_dir: Path) -> list[str]:
+    """The erasure ids of subjects this run's training split held, oldest first."""
+    path = run_dir / RUN_ERASURES_NAME
+    if not path.exists():
+        return []
+    entries = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return list(dict.fromkeys(e["erasure_id"] for e in entries if e["trained"]))
+
+
+def _scrub_file(path: Path, erasure: Erasure, trace_ids: frozenset[str]) -> int:
+    """Rows removed from `path` (0: the file was not touched)."""
+    names = set(pq.read_schema(path).names)
+    if {"tenant", "subject"} <= names:
+        keys = pq.read_table(path, columns=["tenant", "subject"])
+        if not pc.any(pc.equal(keys["subject"], erasure.subject)).as_py():
+            return 0
+        table = pq.read_table(path)
+        kept, count = without_erased(table, [erasure])
+    elif "trace_id" in names and trace_ids:
+        table = pq.read_table(path)
+        kept = table.filter(pc.invert(pc.is_in(table["trace_id"], pa.array(sorted(trace_ids), pa.string()))))
+        count = table.num_rows - kept.num_rows
+    else:
+        return 0
+    if count:
+        write_parquet_atomic(path, kept)
+    return count

@@ -1,0 +1,78 @@
+"""The daemon's part of erasure, on a real MLflow registry: run datasets that still hold an erased
+subject are scrubbed, and the drafter trained on them is kept, flagged or retired as the policy says."""
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from specloop.daemon.retrain import promotion
+from specloop.daemon.retrain.erasures import ErasureFollowUp
+from specloop.daemon.retrain.history import Action
+from specloop.daemon.retrain.policy import OnErasure
+from specloop.daemon.retrain.run import Loop
+from specloop.storage.dataset import OUTPUT_COLUMNS
+from specloop.storage.dataset_copies import record_lineage
+from specloop.storage.erasure import erase_subject
+from specloop.storage.layout import hive_dir, sink_file_name, write_parquet_atomic
+from specloop.storage.registry import Tag
+from specloop.storage.schema import to_arrow
+from tests.daemon.retrain.conftest import SUBJECT, TENANT, seed_champion
+from tests.storage.traces import SUBJECT_B, make_trace
+
+
+def _trained_champion(loop: Loop, tmp_path: Path) -> str:
+    """v1 (never trained on traffic) then v2, trained by run-2 on SUBJECT's trace, promoted over it."""
+    seed_champion(loop, tmp_path)
+    v2 = loop.registry.register(tmp_path / "seed", loop.base_model)
+    promotion.promote(loop.registry, loop.history, v2, "test")
+    traces = [make_trace("t-subject", tenant=TENANT, subject=SUBJECT, base_model=loop.base_model),
+              make_trace("t-other", tenant=TENANT, subject=SUBJECT_B, base_model=loop.base_model)]
+    root = loop.settings.traces_root
+    write_parquet_atomic(hive_dir(root, loop.base_model, "2025-03-01") / sink_file_name("traces", 0, 0),
+                         to_arrow(traces))
+    run = loop.settings.work_dir / "run-2"
+    write_parquet_atomic(run / "dataset" / "train.parquet", to_arrow(traces).select(list(OUTPUT_COLUMNS)))
+    record_lineage(run, loop.base_model, v2.version)
+    return v2.version
+
+
+def _follow_up(loop: Loop, on_erasure: OnErasure) -> ErasureFollowUp:
+    return ErasureFollowUp(loop.base_model, loop.settings.traces_root, loop.settings.work_dir, loop.registry,
+                           loop.history, on_erasure)
+
+
+def test_flag_marks_the_version_trained_on_the_subject_once(make_loop: Callable[..., Loop], tmp_path: Path) -> None:
+    loop = make_loop()
+    v2 = _trained_champion(loop, tmp_path)
+    result = erase_subject(loop.settings.traces_root, TENANT, SUBJECT, loop.settings.work_dir)
+    assert [(x.run_id, x.version) for x in result.trained_on] == [("run-2", v2)]
+
+    follow_up = _follow_up(loop, OnErasure.FLAG)
+    assert follow_up() == [f"v{v2}"]
+    assert loop.registry.version(loop.base_model, v2).tags[Tag.TRAINED_ON_ERASED] == "1"
+    assert loop.registry.champion(loop.base_model).version == v2  # flagged, still serving
+    assert follow_up() == []  # nothing new in the journal
+
+
+def test_a_daemon_the_eraser_could_not_reach_scrubs_and_retires(make_loop: Callable[..., Loop],
+                                                                tmp_path: Path) -> None:
+    loop = make_loop()
+    v2 = _trained_champion(loop, tmp_path)
+    erase_subject(loop.settings.traces_root, TENANT, SUBJECT)  # on the engine's machine: no work dir there
+
+    assert _follow_up(loop, OnErasure.RETIRE)() == [f"v{v2}"]
+    train = pq.read_table(loop.settings.work_dir / "run-2" / "dataset" / "train.parquet")
+    assert train["subject"].to_pylist() == [SUBJECT_B]
+    assert loop.registry.champion(loop.base_model).version == "1"  # back to the one never trained on them
+    event = loop.history.last(loop.base_model)
+    assert (event.action, event.version, event.previous) == (Action.ROLLED_BACK, f"v{v2}", "v1")
+    assert "erased" in loop.registry.version(loop.base_model, v2).tags[Tag.ROLLED_BACK]
+
+
+def test_keep_leaves_the_registry_alone(make_loop: Callable[..., Loop], tmp_path: Path) -> None:
+    loop = make_loop()
+    v2 = _trained_champion(loop, tmp_path)
+    erase_subject(loop.settings.traces_root, TENANT, SUBJECT, loop.settings.work_dir)
+    assert _follow_up(loop, OnErasure.KEEP)() == []
+    assert Tag.TRAINED_ON_ERASED not in loop.registry.version(loop.base_model, v2).tags
