@@ -6,6 +6,11 @@ a restart loses every topic, record and committed offset) or S3 storage against 
 and stop it through this module; production points the producer and sink at any Kafka cluster
 instead and never imports it. `ensure_topics` creates topics with kafka-python's admin client.
 
+Topics are created with `retention.ms` = `TOPIC_RETENTION`: Kafka keeps whole traces, which
+specloop cannot erase there (no DeleteRecords in tansu, and a compacted topic would need one key
+per subject), so the copy lasts only as long as the sink could be down. tansu accepts the setting
+but does not enforce it: its memory topics end with the process, its S3 topics are kept.
+
 This module is not the producer or the sink.
 """
 
@@ -18,6 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import IO, Literal
 
@@ -28,6 +34,9 @@ from kafka.errors import KafkaError, TopicAlreadyExistsError
 from specloop.storage.child_process import die_with_parent
 
 _READY_TIMEOUT_S = 30.0
+# The sink drains the topic in seconds; three days cover a sink down over a weekend. An erasure
+# report says when the last copy of the subject's traces in Kafka expires by this.
+TOPIC_RETENTION = timedelta(hours=72)
 _TEST_CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "test",
     "AWS_SECRET_ACCESS_KEY": "test",
@@ -182,7 +191,8 @@ class EmbeddedBroker:
 
 
 def ensure_topics(bootstrap_servers: str, topics: Mapping[str, int], timeout_s: float = 30.0) -> None:
-    """Create each topic (name -> partition count) unless it exists; tansu cannot add partitions later."""
+    """Create each topic (name -> partition count) unless it exists, with `TOPIC_RETENTION`; tansu
+    cannot add partitions later."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -194,7 +204,9 @@ def ensure_topics(bootstrap_servers: str, topics: Mapping[str, int], timeout_s: 
             time.sleep(0.2)
     try:
         existing = set(admin.list_topics())
-        missing = [NewTopic(name, count, 1) for name, count in topics.items() if name not in existing]
+        retention = {"retention.ms": str(int(TOPIC_RETENTION.total_seconds() * 1000))}
+        missing = [NewTopic(name, count, 1, topic_configs=retention) for name, count in topics.items()
+                   if name not in existing]
         if missing:
             try:
                 admin.create_topics(missing)

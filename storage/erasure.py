@@ -9,7 +9,8 @@ empty file to keep the sink's naming intact); then, given the daemon's work dire
 dataset a run built is scrubbed of the subject (`specloop.storage.dataset_copies`), and the runs
 whose training split held them are reported with the drafter versions they registered.
 
-Not erased here: Kafka's own copies (they expire by the topics' retention, `specloop.storage.broker`)
+Not erased here: Kafka's own copies (they expire by the topics' retention, `specloop.storage.broker`;
+the report says by when)
 and drafter weights (the daemon's `on_erasure` policy decides). This module is not the consent
 registry and writes no audit log: consent's revocation is handed `erase_subject` by the code that
 joins the two (`consent/erasure.py` says where) and records the result.
@@ -24,6 +25,7 @@ import duckdb
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from specloop.storage.broker import TOPIC_RETENTION
 from specloop.storage.compaction import finish_pending
 from specloop.storage.dataset_copies import Lineage, scrub_subject
 from specloop.storage.erased import record_erasure
@@ -39,6 +41,8 @@ class ErasureResult:
     dataset_files_rewritten: tuple[Path, ...] = ()
     dataset_rows_removed: int = 0
     trained_on: tuple[Lineage, ...] = ()  # runs (and their drafter versions) whose training set held them
+    # When the subject's last trace in Kafka expires, on topics with specloop's retention (`TOPIC_RETENTION`).
+    kafka_copies_expire_by: str = ""
 
 
 def erase_subject(root: Path, tenant: str, subject: str, work_dir: Path | None = None) -> ErasureResult:
@@ -58,11 +62,12 @@ def erase_subject(root: Path, tenant: str, subject: str, work_dir: Path | None =
         for path in affected:
             removed += _rewrite_without(path, tenant, subject)
             rewritten.append(path)
+    expires = (erasure.erased_at + TOPIC_RETENTION).isoformat()
     if work_dir is None:
-        return ErasureResult(erasure.erasure_id, tuple(rewritten), removed)
+        return ErasureResult(erasure.erasure_id, tuple(rewritten), removed, kafka_copies_expire_by=expires)
     scrubbed = scrub_subject(work_dir, erasure, trace_ids)
     return ErasureResult(erasure.erasure_id, tuple(rewritten), removed, scrubbed.files_rewritten,
-                         scrubbed.rows_removed, scrubbed.trained_on)
+                         scrubbed.rows_removed, scrubbed.trained_on, expires)
 
 
 def _trace_ids(files: list[Path], tenant: str, subject: str) -> frozenset[str]:
