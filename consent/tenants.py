@@ -56,6 +56,9 @@ class TenantPolicy(BaseModel):
     # Suffix decoding drafts from this tenant's recent requests, kept in the engine's memory only and
     # never shared with another tenant (engine/speculation/suffix_cache.py); false: from each request alone.
     suffix_cache: bool = True
+    # Days this tenant's traces are kept; None: the deployment's default (the daemon applies both,
+    # daemon/retrain/retention.py).
+    retention_days: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> "TenantPolicy":

@@ -18,6 +18,7 @@ what happens to the drafters trained on a subject (the daemon's `on_erasure` pol
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,10 @@ from specloop.storage.layout import append_json_line, write_json_atomic, write_p
 LINEAGE_NAME = "registered.json"
 RUN_ERASURES_NAME = "erasures.jsonl"
 TRAIN_FILE = "train.parquet"
+# What an expired run keeps of its training split: who was in it (tenant, pseudonym), so that a later
+# erasure still names the drafter it trained.
+TRAIN_SUBJECTS_FILE = "train-subjects.parquet"
+_KEPT_WHEN_EXPIRED = {LINEAGE_NAME, RUN_ERASURES_NAME, TRAIN_SUBJECTS_FILE}
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,12 +86,32 @@ def scrub_subject(work_dir: Path, erasure: Erasure, trace_ids: frozenset[str] = 
             rewritten.append(path)
             run = per_run.setdefault(path.relative_to(work_dir).parts[0], [0, False])
             run[0] += count
-            run[1] = run[1] or path.name == TRAIN_FILE
+            run[1] = run[1] or path.name in (TRAIN_FILE, TRAIN_SUBJECTS_FILE)
     for run, (count, trained) in per_run.items():
         append_json_line(work_dir / run / RUN_ERASURES_NAME,
                          {"erasure_id": erasure.erasure_id, "rows_removed": count, "trained": trained})
     lineage = tuple(read_lineage(work_dir / run) for run, (_, trained) in sorted(per_run.items()) if trained)
     return ScrubResult(tuple(rewritten), sum(int(c) for c, _ in per_run.values()), lineage)
+
+
+def expire_run(run_dir: Path) -> int:
+    """Delete a run's datasets, checkpoints and scratch, keeping its lineage: `registered.json`,
+    `erasures.jsonl` and who its training split held (`train-subjects.parquet`). Bytes freed."""
+    trains = [p for p in run_dir.rglob(TRAIN_FILE) if {"tenant", "subject"} <= set(pq.read_schema(p).names)]
+    if trains:
+        subjects = pa.concat_tables(pq.read_table(p, columns=["tenant", "subject"]) for p in trains)
+        write_parquet_atomic(run_dir / TRAIN_SUBJECTS_FILE, subjects.group_by(["tenant", "subject"]).aggregate([]))
+    freed = 0
+    for entry in sorted(run_dir.iterdir()):
+        if entry.name in _KEPT_WHEN_EXPIRED:
+            continue
+        files = [entry] if entry.is_file() else [p for p in entry.rglob("*") if p.is_file()]
+        freed += sum(p.stat().st_size for p in files)
+        if entry.is_dir():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    return freed
 
 
 def trained_on_erased(run_dir: Path) -> list[str]:

@@ -43,8 +43,8 @@ ENV_EXAMPLE = SYSTEMD / "specloop.env.example"
 VENV_IN_UNITS = "/opt/specloop/venv"
 
 # `specloop daemon`'s variables (daemon/retrain/settings.py): the contract the deploy files rely on.
-DAEMON_VARIABLES = {"SPECLOOP_DAEMON_POLICY", "SPECLOOP_REGISTRY", "SPECLOOP_TRACES_ROOT", "SPECLOOP_CONSENT_DB",
-                    "SPECLOOP_DAEMON_STATE_DB", "SPECLOOP_DAEMON_ENGINES"}
+DAEMON_VARIABLES = {name for f in DaemonSettings.model_fields.values() for name in f.validation_alias.choices
+                    if name.startswith("SPECLOOP_")}
 SERVICES = {"serve", "sink", "daemon"}  # the specloop commands each way of deploying runs
 SETUP = {"registry"}  # one-shot commands a way of deploying may run before them (compose, Kubernetes)
 # Seconds each needs after SIGTERM: uvicorn's 30 s drain plus the 10 s trace flush; the sink's flush

@@ -34,6 +34,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
+    delete,
     func,
     insert,
     or_,
@@ -180,6 +181,13 @@ class LiveTau:
         if rows:
             with self.db.begin() as conn:
                 conn.execute(insert(_samples), rows)
+
+    def expire(self, before: datetime) -> int:
+        """Delete the samples scraped before `before`; how many. Windows that start later keep their
+        baseline (each engine's last scrape at or before the window's start)."""
+        _require_aware("before", before)
+        with self.db.begin() as conn:
+            return conn.execute(delete(_samples).where(_samples.c.at < before.timestamp())).rowcount
 
     def tau(self, version: str, since: datetime, until: datetime) -> TauWindow | None:
         """`version`'s τ over (since, until], or None when it ran no verify step there."""

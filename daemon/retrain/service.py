@@ -39,6 +39,7 @@ from specloop.daemon.retrain.lease import Lease, LeaseHeld, daemon_identity
 from specloop.daemon.retrain.live_tau import LiveTau
 from specloop.daemon.retrain.metrics import DaemonMetrics
 from specloop.daemon.retrain.policy import RetrainPolicy, Schedule
+from specloop.daemon.retrain.retention import Retention, tenant_retention
 from specloop.daemon.retrain.run import Loop, RetrainRun, new_run_id, resume_promotion
 from specloop.daemon.retrain.run_log import RunLog, RunOutcome
 from specloop.daemon.retrain.settings import DaemonSettings
@@ -76,6 +77,9 @@ class RetrainDaemon:
                            list(settings.engines), settings.plot)
         self.erasures = ErasureFollowUp(self.base_model, settings.traces_root, settings.work_dir, self.loop.registry,
                                         self.loop.history, policy.data.on_erasure)
+        self.retention = Retention(settings.traces_root, settings.work_dir, self.live, settings.audit_log_path(),
+                                   tenant_retention(settings.tenants_file), settings.trace_retention_days,
+                                   settings.run_retention_days, settings.live_tau_retention_days)
         self.metrics = DaemonMetrics()
         self.owner = daemon_identity()
         self.stop = threading.Event()
@@ -212,7 +216,7 @@ class RetrainDaemon:
             log.warning("not resuming unfinished runs now (MLflow unavailable: %s); the next start will", e)
 
     def _watch(self) -> None:
-        for job in (self.watch, self.erasures):
+        for job in (self.watch, self.erasures, lambda: self.retention(self.current_run)):
             try:
                 job()
             except RegistryUnavailable as e:

@@ -10,7 +10,10 @@ target, as the engines serve it:
 the same variables the server reads, so an NVFP4 engine's drafters are trained on the NVFP4 target,
 whose fingerprint they carry), `SPECLOOP_DAEMON_WORK_DIR` (datasets and
 challengers of each run), `SPECLOOP_DAEMON_HOST`/`_PORT` (its /health and /metrics),
-`SPECLOOP_DAEMON_WATCH_S` (how often it reads live τ) and `SPECLOOP_DAEMON_PLOT` (a PNG of live τ).
+`SPECLOOP_DAEMON_WATCH_S` (how often it reads live τ), `SPECLOOP_DAEMON_PLOT` (a PNG of live τ), and
+retention: `SPECLOOP_TENANTS_FILE` (each tenant's `retention_days`), `SPECLOOP_TRACE_RETENTION_DAYS`
+(everyone else's), `SPECLOOP_DAEMON_RUN_RETENTION_DAYS`, `SPECLOOP_DAEMON_LIVE_TAU_RETENTION_DAYS`
+and `SPECLOOP_AUDIT_LOG` (where expiry is audited, the consent audit log).
 
 Not here: the policy itself (`policy.py`: when and how to retrain), the engine's settings.
 """
@@ -50,6 +53,17 @@ class DaemonSettings(BaseSettings):
     watch_s: float = Field(15.0, gt=0, validation_alias=_env("watch_s", "SPECLOOP_DAEMON_WATCH_S"))
     # A daemon that dies holding the base model's lease blocks the next one for at most this long.
     lease_ttl_s: float = Field(60.0, gt=0, validation_alias=_env("lease_ttl_s", "SPECLOOP_DAEMON_LEASE_TTL_S"))
+    # Retention (retention.py): traces of tenants without their own `retention_days` in the tenants
+    # file, run directories (datasets, checkpoints; their lineage stays) and live-τ samples.
+    tenants_file: Path | None = Field(None, validation_alias=_env("tenants_file", "SPECLOOP_TENANTS_FILE"))
+    # Unset: the consent audit log beside the consent registry, where `specloop serve` keeps it.
+    audit_log: Path | None = Field(None, validation_alias=_env("audit_log", "SPECLOOP_AUDIT_LOG"))
+    trace_retention_days: float | None = Field(30.0, gt=0, validation_alias=_env(
+        "trace_retention_days", "SPECLOOP_TRACE_RETENTION_DAYS"))
+    run_retention_days: float | None = Field(30.0, gt=0, validation_alias=_env(
+        "run_retention_days", "SPECLOOP_DAEMON_RUN_RETENTION_DAYS"))
+    live_tau_retention_days: float | None = Field(30.0, gt=0, validation_alias=_env(
+        "live_tau_retention_days", "SPECLOOP_DAEMON_LIVE_TAU_RETENTION_DAYS"))
     # A PNG of live τ per drafter version with promotions and rollbacks marked, redrawn every minute.
     plot: Path | None = Field(None, validation_alias=_env("plot", "SPECLOOP_DAEMON_PLOT"))
 
@@ -57,6 +71,9 @@ class DaemonSettings(BaseSettings):
     @classmethod
     def _needs_nvfp4_weights(cls, asked: bool, info: ValidationInfo) -> bool:
         return nvfp4_part(asked, info.data.get("weights"))
+
+    def audit_log_path(self) -> Path:
+        return self.audit_log or self.consent_db.parent / "consent-audit.jsonl"
 
     def weight_format(self) -> WeightFormat:
         """The target's weights, as the engines serve it."""
