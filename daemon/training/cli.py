@@ -147,14 +147,15 @@ def train_drafter(
         except ValueError as e:  # unusable data, a checkpoint of another run, a warm start of another shape
             raise typer.BadParameter(str(e)) from e
         result = trainer.run()
-        if not distributed.is_main():  # one result on stdout, however many processes trained
-            return
-    typer.echo(json.dumps({
-        "artifact": str(result.artifact), "steps": result.steps, "seconds": round(result.seconds, 1),
-        "steps_per_second": result.steps_per_second, "train_response_tokens": result.train_tokens,
-        "final_train_loss": result.final_train_loss, "best_heldout_loss": result.best_heldout_loss,
-        "stop_reason": result.stop_reason, "features": result.features, "history": result.history,
-    }, indent=2))
+        main = distributed.is_main()
+    if main:  # one result on stdout, however many processes trained
+        typer.echo(json.dumps({
+            "artifact": str(result.artifact), "steps": result.steps, "seconds": round(result.seconds, 1),
+            "steps_per_second": result.steps_per_second, "train_response_tokens": result.train_tokens,
+            "final_train_loss": result.final_train_loss, "best_heldout_loss": result.best_heldout_loss,
+            "stop_reason": result.stop_reason, "features": result.features, "history": result.history,
+        }, indent=2))
+    distributed.end_launched_process()
 
 
 def eval_drafter(
