@@ -37,6 +37,9 @@ _READY_TIMEOUT_S = 30.0
 # The sink drains the topic in seconds; three days cover a sink down over a weekend. An erasure
 # report says when the last copy of the subject's traces in Kafka expires by this.
 TOPIC_RETENTION = timedelta(hours=72)
+# Kafka deletes whole log segments once their newest record is past the retention: a segment rolled
+# hourly keeps a record at most this much longer (the default, 7 days, would on a quiet topic).
+SEGMENT_TIME = timedelta(hours=1)
 _TEST_CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "test",
     "AWS_SECRET_ACCESS_KEY": "test",
@@ -204,7 +207,8 @@ def ensure_topics(bootstrap_servers: str, topics: Mapping[str, int], timeout_s: 
             time.sleep(0.2)
     try:
         existing = set(admin.list_topics())
-        retention = {"retention.ms": str(int(TOPIC_RETENTION.total_seconds() * 1000))}
+        retention = {"retention.ms": str(int(TOPIC_RETENTION.total_seconds() * 1000)),
+                     "segment.ms": str(int(SEGMENT_TIME.total_seconds() * 1000))}
         missing = [NewTopic(name, count, 1, topic_configs=retention) for name, count in topics.items()
                    if name not in existing]
         if missing:

@@ -28,6 +28,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
+from specloop.storage.erased import read_erasures, without_erased
 from specloop.storage.layout import live_files, write_json_atomic, write_parquet_atomic
 
 CONSENT_COLUMNS = (
@@ -105,6 +106,10 @@ def build_dataset(
         raise ValueError(f"base_model: no trace files for {base_model!r} under {root}")
     con = _select_consented(files, consent, base_model, since, until, as_of)
     train, evaluation = _split(con, limit, eval_fraction)
+    # A build that read the files just before an erasure rewrote them must not keep the subject: the
+    # journal is written before the rewrite, so reading it now closes that window.
+    erasures = read_erasures(root)
+    train, evaluation = without_erased(train, erasures)[0], without_erased(evaluation, erasures)[0]
     manifest = DatasetManifest(
         base_model=base_model,
         since=since.isoformat() if since else None,

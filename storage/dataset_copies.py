@@ -40,11 +40,14 @@ _KEPT_WHEN_EXPIRED = {LINEAGE_NAME, RUN_ERASURES_NAME, TRAIN_SUBJECTS_FILE}
 
 @dataclass(frozen=True, slots=True)
 class Lineage:
-    """A run that trained on the subject, and the drafter version it registered (None: none yet)."""
+    """A run, the drafter version it registered (None: none yet), the dataset directory it trained
+    on (relative to the run; None: not known yet) and the version it warm-started from."""
 
     run_id: str
     base_model: str | None
     version: str | None
+    dataset: str | None = None
+    warm_start_from: str | None = None
 
     @property
     def label(self) -> str:
@@ -59,17 +62,27 @@ class ScrubResult:
     trained_on: tuple[Lineage, ...]  # runs whose training split held the subject
 
 
-def record_lineage(run_dir: Path, base_model: str, version: str) -> None:
-    """Note in the run's directory which drafter version its dataset trained."""
-    write_json_atomic(run_dir / LINEAGE_NAME, {"base_model": base_model, "version": version})
+def record_lineage(run_dir: Path, lineage: Lineage) -> None:
+    """Note in the run's directory which drafter version its dataset trained, and from what."""
+    write_json_atomic(run_dir / LINEAGE_NAME, {"base_model": lineage.base_model, "version": lineage.version,
+                                               "dataset": lineage.dataset, "warm_start_from": lineage.warm_start_from})
 
 
 def read_lineage(run_dir: Path) -> Lineage:
     path = run_dir / LINEAGE_NAME
     if not path.exists():
         return Lineage(run_dir.name, None, None)
-    document = json.loads(path.read_text())
-    return Lineage(run_dir.name, document["base_model"], document["version"])
+    d = json.loads(path.read_text())
+    return Lineage(run_dir.name, d["base_model"], d["version"], d.get("dataset"), d.get("warm_start_from"))
+
+
+def _trained_on(run_dir: Path, path: Path) -> bool:
+    """Whether `path` is (a summary of) the training split this run trained on; before the run
+    registers, which split it will train on is not known, so every one counts."""
+    if path.name == TRAIN_SUBJECTS_FILE:
+        return True
+    dataset = read_lineage(run_dir).dataset
+    return path.name == TRAIN_FILE and (dataset is None or path.parent == run_dir / dataset)
 
 
 def scrub_subject(work_dir: Path, erasure: Erasure, trace_ids: frozenset[str] = frozenset()) -> ScrubResult:
@@ -84,9 +97,10 @@ def scrub_subject(work_dir: Path, erasure: Erasure, trace_ids: frozenset[str] = 
         count = _scrub_file(path, erasure, trace_ids)
         if count:
             rewritten.append(path)
-            run = per_run.setdefault(path.relative_to(work_dir).parts[0], [0, False])
+            name = path.relative_to(work_dir).parts[0]
+            run = per_run.setdefault(name, [0, False])
             run[0] += count
-            run[1] = run[1] or path.name in (TRAIN_FILE, TRAIN_SUBJECTS_FILE)
+            run[1] = run[1] or _trained_on(work_dir / name, path)
     for run, (count, trained) in per_run.items():
         append_json_line(work_dir / run / RUN_ERASURES_NAME,
                          {"erasure_id": erasure.erasure_id, "rows_removed": count, "trained": trained})
@@ -97,7 +111,8 @@ def scrub_subject(work_dir: Path, erasure: Erasure, trace_ids: frozenset[str] = 
 def expire_run(run_dir: Path) -> int:
     """Delete a run's datasets, checkpoints and scratch, keeping its lineage: `registered.json`,
     `erasures.jsonl` and who its training split held (`train-subjects.parquet`). Bytes freed."""
-    trains = [p for p in run_dir.rglob(TRAIN_FILE) if {"tenant", "subject"} <= set(pq.read_schema(p).names)]
+    trains = [p for p in run_dir.rglob(TRAIN_FILE)
+              if _trained_on(run_dir, p) and {"tenant", "subject"} <= set(pq.read_schema(p).names)]
     if trains:
         subjects = pa.concat_tables(pq.read_table(p, columns=["tenant", "subject"]) for p in trains)
         write_parquet_atomic(run_dir / TRAIN_SUBJECTS_FILE, subjects.group_by(["tenant", "subject"]).aggregate([]))
@@ -114,13 +129,21 @@ def expire_run(run_dir: Path) -> int:
     return freed
 
 
-def trained_on_erased(run_dir: Path) -> list[str]:
-    """The erasure ids of subjects this run's training split held, oldest first."""
+def erasures_of(run_dir: Path) -> list[str]:
+    """The erasure ids that removed rows from this run's datasets (training or evaluation), oldest first."""
+    return list(dict.fromkeys(e["erasure_id"] for e in _run_erasures(run_dir)))
+
+
+def _run_erasures(run_dir: Path) -> list[dict]:
     path = run_dir / RUN_ERASURES_NAME
     if not path.exists():
         return []
-    entries = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return list(dict.fromkeys(e["erasure_id"] for e in entries if e["trained"]))
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def trained_on_erased(run_dir: Path) -> list[str]:
+    """The erasure ids of subjects this run's training split held, oldest first."""
+    return list(dict.fromkeys(e["erasure_id"] for e in _run_erasures(run_dir) if e["trained"]))
 
 
 def _scrub_file(path: Path, erasure: Erasure, trace_ids: frozenset[str]) -> int:

@@ -14,9 +14,10 @@ This module is not the eraser (`specloop.storage.erasure`) and does not decide w
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pyarrow as pa
@@ -24,7 +25,13 @@ import pyarrow.compute as pc
 
 from specloop.storage.layout import append_json_line
 
+log = logging.getLogger(__name__)
+
 JOURNAL_NAME = "_erasures.jsonl"
+# A row created up to this long after its subject's erasure is still erased: `created_at` is the
+# engine's clock, `erased_at` the eraser's, and a trace in flight must not land because the
+# engine's clock runs ahead. A consent granted again within it loses those minutes of traces.
+CLOCK_MARGIN = timedelta(minutes=5)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,20 +55,34 @@ def record_erasure(root: Path, tenant: str, subject: str, at: datetime | None = 
 
 
 def read_erasures(root: Path) -> list[Erasure]:
-    """Every erasure recorded under `root`, oldest first; none when the journal does not exist."""
+    """Every erasure recorded under `root`, oldest first; none when the journal does not exist.
+
+    An unterminated last line is an append cut short (a full disk): it recorded nothing, since its
+    eraser failed, and is skipped. A corrupt complete line raises ValueError: which subject it
+    erased cannot be known, and applying the rest would let that one's traces land.
+    """
     path = journal_path(root)
     if not path.exists():
         return []
+    text = path.read_text()
+    lines = text.split("\n")
+    if lines[-1]:
+        log.warning("%s ends in an unterminated line (an append cut short); it is ignored", path)
     found = []
-    for line in path.read_text().splitlines():
-        if line.strip():  # a crash mid-append leaves no partial line: one write per entry
+    for number, line in enumerate(lines[:-1], 1):
+        if not line.strip():
+            continue
+        try:
             d = json.loads(line)
             found.append(Erasure(d["erasure_id"], d["tenant"], d["subject"], datetime.fromisoformat(d["erased_at"])))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{number}: unreadable erasure record ({e}); repair the journal") from e
     return found
 
 
 def without_erased(table: pa.Table, erasures: list[Erasure]) -> tuple[pa.Table, int]:
-    """`table` less its rows of erased subjects created at or before their erasure; rows removed.
+    """`table` less its rows of erased subjects created at or before their erasure (`CLOCK_MARGIN`
+    after it); rows removed.
 
     `table` needs `tenant` and `subject` columns; without `created_at` every row of an erased
     subject goes (a copy whose age is unknown is treated as older than the erasure).
@@ -79,7 +100,7 @@ def without_erased(table: pa.Table, erasures: list[Erasure]) -> tuple[pa.Table, 
     subjects = table["subject"].to_pylist()
     created = table["created_at"].to_pylist() if "created_at" in table.column_names else [None] * table.num_rows
     erased = [
-        (t, s) in latest and (c is None or c <= latest[(t, s)])
+        (t, s) in latest and (c is None or c <= latest[(t, s)] + CLOCK_MARGIN)
         for t, s, c in zip(tenants, subjects, created, strict=True)
     ]
     kept = table.filter(pc.invert(pa.array(erased, pa.bool_())))

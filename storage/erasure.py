@@ -19,16 +19,16 @@ joins the two (`consent/erasure.py` says where) and records the result.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import duckdb
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from specloop.storage.broker import TOPIC_RETENTION
+from specloop.storage.broker import SEGMENT_TIME, TOPIC_RETENTION
 from specloop.storage.compaction import finish_pending
 from specloop.storage.dataset_copies import Lineage, scrub_subject
-from specloop.storage.erased import record_erasure
+from specloop.storage.erased import CLOCK_MARGIN, Erasure, record_erasure, without_erased
 from specloop.storage.layout import exclusive, live_files, write_parquet_atomic
 from specloop.storage.schema import ARROW_SCHEMA
 
@@ -43,6 +43,9 @@ class ErasureResult:
     trained_on: tuple[Lineage, ...] = ()  # runs (and their drafter versions) whose training set held them
     # When the subject's last trace in Kafka expires, on topics with specloop's retention (`TOPIC_RETENTION`).
     kafka_copies_expire_by: str = ""
+    # Whether the daemon's work directory was on this machine; if not, the daemon scrubs its datasets
+    # and reports the drafters trained on the subject itself (an `erasure_lineage` audit entry).
+    work_dir_reached: bool = False
 
 
 def erase_subject(root: Path, tenant: str, subject: str, work_dir: Path | None = None) -> ErasureResult:
@@ -52,51 +55,67 @@ def erase_subject(root: Path, tenant: str, subject: str, work_dir: Path | None =
         raise ValueError("tenant and subject must be non-empty")
     if not root.is_dir():  # a wrong root would otherwise be created empty and audited "ok, 0 rows"
         raise FileNotFoundError(f"traces root {root} is not a directory: nothing was erased")
-    rewritten: list[Path] = []
-    removed = 0
     with exclusive(root):
         erasure = record_erasure(root, tenant, subject)
-        finish_pending(root)
-        affected = _affected_files(root, tenant, subject)
-        trace_ids = _trace_ids(affected, tenant, subject)
-        for path in affected:
-            removed += _rewrite_without(path, tenant, subject)
-            rewritten.append(path)
-    expires = (erasure.erased_at + TOPIC_RETENTION).isoformat()
-    if work_dir is None:
-        return ErasureResult(erasure.erasure_id, tuple(rewritten), removed, kafka_copies_expire_by=expires)
+        rewritten, removed, trace_ids = _erase_files(root, erasure)
+    expires = kafka_copies_expire_by(erasure).isoformat()
+    if work_dir is None or not work_dir.is_dir():
+        return ErasureResult(erasure.erasure_id, rewritten, removed, kafka_copies_expire_by=expires)
     scrubbed = scrub_subject(work_dir, erasure, trace_ids)
-    return ErasureResult(erasure.erasure_id, tuple(rewritten), removed, scrubbed.files_rewritten,
-                         scrubbed.rows_removed, scrubbed.trained_on, expires)
+    return ErasureResult(erasure.erasure_id, rewritten, removed, scrubbed.files_rewritten,
+                         scrubbed.rows_removed, scrubbed.trained_on, expires, work_dir_reached=True)
 
 
-def _trace_ids(files: list[Path], tenant: str, subject: str) -> frozenset[str]:
+def apply_erasure(root: Path, erasure: Erasure) -> int:
+    """Rewrite the trace files under `root` by a journalled erasure again (rows removed): an eraser
+    that crashed between journalling and rewriting leaves the rows there, and the daemon calls this
+    for every new journal entry."""
+    with exclusive(root):
+        return _erase_files(root, erasure)[1]
+
+
+def kafka_copies_expire_by(erasure: Erasure) -> datetime:
+    """When the last record of the subject is gone from Kafka: Kafka deletes whole segments, so a
+    record lives up to the retention after its segment closes (`SEGMENT_TIME` at most)."""
+    return erasure.erased_at + SEGMENT_TIME + TOPIC_RETENTION
+
+
+def _erase_files(root: Path, erasure: Erasure) -> tuple[tuple[Path, ...], int, frozenset[str]]:
+    """(files rewritten, rows removed, the subject's trace ids); the caller holds the lock."""
+    finish_pending(root)
+    affected = _affected_files(root, erasure)
+    trace_ids = _trace_ids(affected, erasure)
+    removed = sum(_rewrite_without(path, erasure) for path in affected)
+    return tuple(affected), removed, trace_ids
+
+
+def _trace_ids(files: list[Path], erasure: Erasure) -> frozenset[str]:
     """The subject's trace ids, for dataset copies older than the subject column."""
     if not files:
         return frozenset()
     rows = duckdb.execute(
         "SELECT DISTINCT trace_id FROM read_parquet($files, hive_partitioning = false) "
         "WHERE tenant = $tenant AND subject = $subject",
-        {"files": [str(p) for p in files], "tenant": tenant, "subject": subject},
+        {"files": [str(p) for p in files], "tenant": erasure.tenant, "subject": erasure.subject},
     ).fetchall()
     return frozenset(t for (t,) in rows)
 
 
-def _affected_files(root: Path, tenant: str, subject: str) -> list[Path]:
+def _affected_files(root: Path, erasure: Erasure) -> list[Path]:
     files = [str(p) for p in live_files(root)]
     if not files:
         return []
     rows = duckdb.execute(
         "SELECT DISTINCT filename FROM read_parquet($files, filename = true, hive_partitioning = false) "
-        "WHERE tenant = $tenant AND subject = $subject ORDER BY filename",
-        {"files": files, "tenant": tenant, "subject": subject},
+        "WHERE tenant = $tenant AND subject = $subject AND created_at <= $until ORDER BY filename",
+        {"files": files, "tenant": erasure.tenant, "subject": erasure.subject,
+         "until": erasure.erased_at + CLOCK_MARGIN},
     ).fetchall()
     return [Path(name) for (name,) in rows]
 
 
-def _rewrite_without(path: Path, tenant: str, subject: str) -> int:
+def _rewrite_without(path: Path, erasure: Erasure) -> int:
     table = pq.read_table(path, schema=ARROW_SCHEMA, partitioning=None)
-    matches = pc.and_(pc.equal(table["tenant"], tenant), pc.equal(table["subject"], subject))
-    kept = table.filter(pc.invert(matches))
+    kept, removed = without_erased(table, [erasure])
     write_parquet_atomic(path, kept)
-    return table.num_rows - kept.num_rows
+    return removed

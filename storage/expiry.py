@@ -45,9 +45,12 @@ def expire_traces(root: Path, cutoffs: Mapping[str, datetime], default: datetime
     removed = 0
     with exclusive(root):
         finish_pending(root)
-        for path in _affected_files(live_files(root), cutoffs, default):
-            removed += _rewrite_without_expired(path, cutoffs, default)
-            rewritten.append(path)
+        affected = _affected_files(live_files(root), cutoffs, default)
+    for path in affected:  # the lock per file: a first pass over a large store must not stall the sink
+        with exclusive(root):
+            if path.exists():  # compacted away meanwhile: its rows are in the merged file, next pass
+                removed += _rewrite_without_expired(path, cutoffs, default)
+                rewritten.append(path)
     return ExpiryResult(tuple(rewritten), removed)
 
 

@@ -99,13 +99,20 @@ def write_json_atomic(target: Path, document: dict) -> None:
 
 def append_json_line(path: Path, document: dict) -> None:
     """Append `document` as one JSON line, durably: one O_APPEND write (concurrent appenders never
-    interleave, a crash leaves no partial line), fsynced, and the directory fsynced on creation."""
+    interleave), fsynced, and the directory fsynced on creation. A short write (a full disk) is cut
+    back and raises; a fragment a crash left (its writer never returned) is cut off first."""
     line = (json.dumps(document, sort_keys=True) + "\n").encode()
     created = not path.exists()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
     try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":  # a crash cut an append short: it recorded nothing
+            size = os.pread(fd, size, 0).rfind(b"\n") + 1
+            os.ftruncate(fd, size)
         written = os.write(fd, line)
-        assert written == len(line), f"short write to {path}"
+        if written != len(line):  # a full disk: leave no fragment for the next append to join
+            os.ftruncate(fd, size)
+            raise OSError(f"short write to {path}: {written} of {len(line)} bytes")
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -16,9 +16,9 @@ waits for the dead-letter sends and only then commits `next`. Hence, per partiti
 
 A crash at any instruction therefore neither loses nor duplicates a row. Every batch is filtered
 by the erasure journal (`specloop.storage.erased`) as it is written, under the root's lock held
-shared, so a trace of a subject erased while it was in flight, or replayed later, never lands. A write that would replace
-a file not removed by that reconciliation means offsets went backwards (a broker that lost its
-log); the sink stops rather than overwrite data. Within a batch, copies of a trace_id keep the
+shared, so a trace of a subject erased while it was in flight, or replayed later, never lands. A
+write that would replace a file not removed by that reconciliation means offsets went backwards (a
+broker that lost its log); the sink stops rather than overwrite data. Within a batch, copies of a trace_id keep the
 first. Messages that are not valid v1 traces, and valid ones that Parquet cannot hold (an int past
 int32/int64), go to the dead-letter topic with the reason and source coordinates in headers, and
 never stop the sink (delivery there is at least once).
@@ -326,7 +326,8 @@ class TraceSink:
         stale = [f.path for f in files if f.first_offset >= resume]
         if stale:
             log.info("removing %d uncommitted files of %s/%d from offset %d", len(stale), topic, partition, resume)
-            remove_durably(stale)
+            with shared(self.config.root):  # an erasure or expiry must not put one back by rewriting it
+                remove_durably(stale)
         return resume
 
     def _on_revoke(self, _: Consumer, partitions: list[TopicPartition]) -> None:

@@ -31,7 +31,7 @@ from specloop.daemon.retrain.settings import DaemonSettings
 from specloop.daemon.stack import TRACE_PARTITIONS
 from specloop.engine.server.settings import ServerSettings
 from specloop.engine.speculation.kinds import DEFAULT_LEARNED_KIND
-from specloop.storage.broker import TOPIC_RETENTION
+from specloop.storage.broker import SEGMENT_TIME, TOPIC_RETENTION
 from specloop.storage.cli import READER_PASSWORD
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -345,7 +345,8 @@ def test_compose_trace_topic_has_the_partitions_sinks_scale_to() -> None:
     [create] = [compose_argv(s) for s in compose()["services"].values() if "--create" in compose_argv(s)]
     assert option_values(create, "--topic") == ["traces"]
     assert option_values(create, "--partitions") == [str(TRACE_PARTITIONS)]
-    assert option_values(create, "--config") == [f"retention.ms={int(TOPIC_RETENTION.total_seconds() * 1000)}"]
+    assert option_values(create, "--config") == [f"retention.ms={int(TOPIC_RETENTION.total_seconds() * 1000)}",
+                                                 f"segment.ms={int(SEGMENT_TIME.total_seconds() * 1000)}"]
     assert compose_service("sink")[1].get("deploy", {}).get("replicas", 1) <= TRACE_PARTITIONS
 
 

@@ -1,23 +1,25 @@
-"""The daemon's part of erasure: scrub what reached a run's dataset late, and act on the drafters
-trained on an erased subject as the policy's `data.on_erasure` says.
+"""The daemon's part of erasure: finish each erasure where the eraser could not reach, report which
+drafters were trained on the subject, and act on them as the policy's `data.on_erasure` says.
 
 Erasure itself (`specloop.storage.erasure`, from `specloop consent revoke --erase` or the engine's
-admin API) rewrites the trace files, journals the erasure in the traces root and, when the daemon's
-work directory is on the same machine, scrubs the run datasets there and records in each affected
-run's directory that its training split held the subject. The daemon, at every watch, reads the
-journal past the entries it has applied (a cursor per base model in the work directory) and:
+admin API) journals the erasure in the traces root and rewrites the trace files; it scrubs the run
+datasets only when the daemon's work directory is on its machine, which no shipped deployment
+does (the engines do not mount it). So at every watch the daemon, for each journal entry past the
+last one it applied (the cursor, per base model, in the work directory):
 
-1. scrubs every run dataset of those subjects again: a daemon on another machine, or a dataset
-   build that read the trace files just before the erasure rewrote them, leaves copies only it sees;
-2. for each run of this base model whose training split held an erased subject and that registered
-   a version: `keep` records nothing more; `flag` sets the version's `trained_on_erased` tag to the
-   number of erased subjects it learned from (the registry is where an auditor looks);
-   `retire` flags it and, when it is the champion, moves `champion` back along its
-   `previous_champion` chain to the newest version not flagged (the shipped drafter never is), or
-   removes the alias when there is none, recorded in the promotion history. The next run trains
-   without the subject in any case: their consent is revoked before their traces are erased.
+1. rewrites the trace files by it again (an eraser that crashed after journalling left them), and
+   scrubs every run dataset of the subject, each affected run noting the erasure in its
+   `erasures.jsonl` (a run still training then ends with nothing registered, `run.py`);
+2. appends an `erasure_lineage` entry to the consent audit log: the runs whose training split held
+   the subject and the drafter versions they registered.
 
-Every step is idempotent, so two daemons of one base model, or a restart mid-way, do no harm.
+And at every watch it acts on the registry: a version is tainted when its run's training split held
+an erased subject, or when it was warm-started from a tainted version (its weights carry what it
+started from). `keep` does nothing; `flag` sets the version's `trained_on_erased` tag to the number
+of erased subjects behind it; `retire` flags it and, when it holds `champion`, moves the alias back
+along the `previous_champion` chain to the newest version not tainted (or removes it), recorded in
+the promotion history, and removes `challenger` from a tainted version. Every step is idempotent.
+
 Not here: the erasure of trace files (storage), the consent registry, the policy's parsing.
 """
 
@@ -26,12 +28,14 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from specloop.consent.audit import append_audit
 from specloop.daemon.retrain.history import Action, PromotionHistory
 from specloop.daemon.retrain.policy import OnErasure
-from specloop.storage.dataset_copies import read_lineage, scrub_subject, trained_on_erased
-from specloop.storage.erased import read_erasures
+from specloop.storage.dataset_copies import Lineage, read_lineage, scrub_subject, trained_on_erased
+from specloop.storage.erased import Erasure, read_erasures
+from specloop.storage.erasure import apply_erasure
 from specloop.storage.layout import write_json_atomic
-from specloop.storage.registry import CHAMPION, DrafterRegistry, DrafterVersion, Tag
+from specloop.storage.registry import CHALLENGER, CHAMPION, DrafterRegistry, DrafterVersion, Tag
 
 log = logging.getLogger(__name__)
 
@@ -44,42 +48,66 @@ class ErasureFollowUp:
     registry: DrafterRegistry
     history: PromotionHistory
     on_erasure: OnErasure
+    audit_log: Path
 
     def __call__(self) -> list[str]:
-        """Apply the journal's new entries; the labels of the versions flagged or retired now."""
+        """Apply the journal's new entries, then the policy; the labels of the versions acted on now."""
+        for erasure in self._new_entries():
+            self._finish(erasure)
+            write_json_atomic(self._cursor(), {"last": erasure.erasure_id})
+        return [] if self.on_erasure is OnErasure.KEEP else self._act()
+
+    def _new_entries(self) -> list[Erasure]:
         journal = read_erasures(self.traces_root)
-        applied = self._applied()
-        if len(journal) <= applied:
+        path = self._cursor()
+        last = json.loads(path.read_text())["last"] if path.exists() else None
+        ids = [e.erasure_id for e in journal]
+        return journal[ids.index(last) + 1:] if last in ids else journal  # unknown: all again, harmlessly
+
+    def _finish(self, erasure: Erasure) -> None:
+        rows = apply_erasure(self.traces_root, erasure) if self.traces_root.is_dir() else 0
+        scrubbed = scrub_subject(self.work_dir, erasure)
+        if rows or scrubbed.rows_removed:
+            log.warning("erasure %s: %d trace rows and %d run dataset rows the eraser had not reached",
+                        erasure.erasure_id, rows, scrubbed.rows_removed)
+        trained = [x for x in self._lineages() if erasure.erasure_id in trained_on_erased(self.work_dir / x.run_id)]
+        append_audit(self.audit_log, "erasure_lineage", "daemon", erasure_id=erasure.erasure_id,
+                     tenant=erasure.tenant, subject=erasure.subject, trace_rows_removed=rows,
+                     dataset_rows_removed=scrubbed.rows_removed, trained_on=[x.label for x in trained],
+                     drafter_versions=[f"{x.base_model} v{x.version}" for x in trained if x.version is not None],
+                     on_erasure=self.on_erasure.value)
+
+    def _lineages(self) -> list[Lineage]:
+        if not self.work_dir.is_dir():
             return []
-        for erasure in journal[applied:]:
-            scrubbed = scrub_subject(self.work_dir, erasure)
-            if scrubbed.rows_removed:
-                log.warning("erasure %s: %d rows scrubbed from %d run dataset files the eraser did not reach",
-                            erasure.erasure_id, scrubbed.rows_removed, len(scrubbed.files_rewritten))
-        acted = [] if self.on_erasure is OnErasure.KEEP or not self.work_dir.is_dir() else self._act()
-        write_json_atomic(self._cursor(), {"applied": len(journal)})
-        return acted
+        return [read_lineage(p) for p in sorted(self.work_dir.iterdir()) if p.is_dir()]
 
     def _act(self) -> list[str]:
+        """Flag (and under `retire`, retire) every tainted version of this base model."""
+        mine = {x.version: x for x in self._lineages() if x.base_model == self.base_model and x.version is not None}
         acted = []
-        for run_dir in sorted(p for p in self.work_dir.iterdir() if p.is_dir()):
-            erased = trained_on_erased(run_dir)
-            lineage = read_lineage(run_dir)
-            if not erased or lineage.version is None or lineage.base_model != self.base_model:
+        for version, erased in sorted(_tainted(mine, self.work_dir).items()):
+            try:
+                v = self.registry.version(self.base_model, version)
+            except ValueError as e:  # deleted in MLflow since: nothing left to flag
+                log.warning("erasure follow-up: %s", e)
                 continue
-            v = self.registry.version(self.base_model, lineage.version)
             if v.tags.get(Tag.TRAINED_ON_ERASED) != str(len(erased)):
-                self.registry.set_tags(self.base_model, v.version, {Tag.TRAINED_ON_ERASED: str(len(erased))})
-                log.warning("%s was trained on %d erased subjects (run %s): flagged", v.label, len(erased),
-                            run_dir.name)
+                self.registry.set_tags(self.base_model, version, {Tag.TRAINED_ON_ERASED: str(len(erased))})
+                log.warning("%s was trained on %d subjects erased since: flagged", v.label, len(erased))
                 acted.append(v.label)
-            if self.on_erasure is OnErasure.RETIRE and CHAMPION in v.aliases:
-                self._retire(v, len(erased))
+            if self.on_erasure is OnErasure.RETIRE:
+                self._retire(v, len(erased), set(_tainted(mine, self.work_dir)))
         return acted
 
-    def _retire(self, v: DrafterVersion, erased: int) -> None:
+    def _retire(self, v: DrafterVersion, erased: int, tainted: set[str]) -> None:
+        if CHALLENGER in v.aliases:
+            self.registry.delete_alias(self.base_model, CHALLENGER)
+            log.warning("challenger %s of %s removed: trained on erased subjects", v.label, self.base_model)
+        if CHAMPION not in v.aliases:
+            return
         reason = f"retired: trained on {erased} subjects since erased (policy data.on_erasure: retire)"
-        previous = self._newest_clean_predecessor(v)
+        previous = self._newest_clean_predecessor(v, tainted)
         self.registry.set_tags(self.base_model, v.version, {Tag.ROLLED_BACK: reason})
         if previous is None:
             self.registry.delete_alias(self.base_model, CHAMPION)
@@ -90,18 +118,33 @@ class ErasureFollowUp:
         self.history.record(self.base_model, Action.ROLLED_BACK, v.label, reason,
                             previous=None if previous is None else previous.label)
 
-    def _newest_clean_predecessor(self, v: DrafterVersion) -> DrafterVersion | None:
+    def _newest_clean_predecessor(self, v: DrafterVersion, tainted: set[str]) -> DrafterVersion | None:
         seen = {v.version}
         while (before := v.tags.get(Tag.PREVIOUS_CHAMPION)) is not None and before not in seen:
             seen.add(before)
             v = self.registry.version(self.base_model, before)
-            if Tag.TRAINED_ON_ERASED not in v.tags:
+            if before not in tainted and Tag.TRAINED_ON_ERASED not in v.tags:
                 return v
         return None
 
     def _cursor(self) -> Path:
         return self.work_dir / f"_erasures-applied-{self.base_model}.json"
 
-    def _applied(self) -> int:
-        path = self._cursor()
-        return json.loads(path.read_text())["applied"] if path.exists() else 0
+
+def _tainted(lineages: dict[str, Lineage], work_dir: Path) -> dict[str, set[str]]:
+    """Version -> the erasure ids behind it: its own run's, and those of what it warm-started from."""
+    found: dict[str, set[str]] = {}
+
+    def erased(version: str, seen: frozenset[str]) -> set[str]:
+        x = lineages.get(version)
+        if x is None or version in seen:
+            return set()
+        own = set(trained_on_erased(work_dir / x.run_id))
+        parent = erased(x.warm_start_from, seen | {version}) if x.warm_start_from else set()
+        return own | parent
+
+    for version in lineages:
+        ids = erased(version, frozenset())
+        if ids:
+            found[version] = ids
+    return found

@@ -52,7 +52,7 @@ from specloop.daemon.retrain.settings import DaemonSettings
 from specloop.engine.loaders.load import LoadedModel
 from specloop.engine.speculation.drafter_artifact import max_artifact_bytes, read_meta
 from specloop.storage.dataset import DatasetManifest, build_dataset
-from specloop.storage.dataset_copies import record_lineage
+from specloop.storage.dataset_copies import Lineage, erasures_of, read_lineage, record_lineage
 from specloop.storage.registry import Approval, DrafterRegistry, DrafterVersion, RegistryUnavailable, Tag, tau_tags
 from specloop.storage.sequences import TokenSequence, digest
 
@@ -84,6 +84,9 @@ class Prepared:
     directory: Path
     dataset_digest: str  # of what is trained on
     bootstrap_from: str | None = None  # the base model whose prompts this target answered again
+    # Every consent behind the traces trained and judged on, read when the dataset was built: an
+    # erasure may scrub the files on disk during training, and the re-checks must still see them.
+    consent_ids: frozenset[str] = frozenset()
 
 
 def new_run_id() -> str:
@@ -152,7 +155,9 @@ class RetrainRun:
             if withdrawn is not None:
                 return RunOutcome.CONSENT_WITHDRAWN, f"nothing registered: {withdrawn}"
             version = self._register(prepared, contest, decision, result, champion, tau_canary)
-            record_lineage(self.dir, loop.base_model, version.version)  # what erasure reports
+            record_lineage(self.dir, Lineage(self.run_id, loop.base_model, version.version,  # what erasure reports
+                                             str(prepared.directory.relative_to(self.dir)),
+                                             None if warm is None or champion is None else champion.version))
         self.loop.runs.step(self.run_id, "registered", self.timings, version.version)
         with self._step("promote"):
             withdrawn = self._withdrawn(prepared)
@@ -194,15 +199,18 @@ class RetrainRun:
             heldout_table["prompt_token_ids"].to_pylist(), heldout_table["response_token_ids"].to_pylist(),
             strict=True)]
         keys = _slice_keys(heldout_table, policy.evaluation.slices)
-        return Prepared(manifest, train, heldout, keys, directory, manifest.content_digest)
+        return Prepared(manifest, train, heldout, keys, directory, manifest.content_digest,
+                        consent_ids=_consent_ids(directory))
 
     def _withdrawn(self, prepared: Prepared) -> str | None:
         """Why the run must stop because consent changed since its dataset was built, or None: any
-        trace it trained or was judged on whose consent is no longer in force (revoked, expired)."""
-        ids: set[str] = set()
-        for part in ("train", "eval"):
-            ids.update(pq.read_table(prepared.directory / f"{part}.parquet", columns=["consent_id"])
-                       ["consent_id"].to_pylist())
+        trace it trained or was judged on whose consent is no longer in force (revoked, expired), or
+        whose subject was erased meanwhile (the erasure scrubbed the dataset, not the weights)."""
+        erased = erasures_of(self.dir)
+        if erased:
+            log.warning("run %s: %d subjects of its dataset were erased since it was built", self.run_id, len(erased))
+            return f"{len(erased)} subjects of its dataset were erased since it was built"
+        ids = prepared.consent_ids
         consent = ConsentRegistry(self.loop.settings.consent_db)
         try:
             gone = consent.withdrawn(ids, datetime.now(UTC))
@@ -222,8 +230,9 @@ class RetrainRun:
         if boot is None or len(boot.train) < policy.data.min_traces or len(boot.heldout) < policy.evaluation.min_heldout:
             return None
         heldout = boot.heldout[:policy.evaluation.max_heldout]
-        return Prepared(boot.manifest, boot.train, heldout, None, self.dir / "bootstrap" / boot.source,
-                        digest(boot.train), bootstrap_from=boot.source)
+        directory = self.dir / "bootstrap" / boot.source
+        return Prepared(boot.manifest, boot.train, heldout, None, directory, digest(boot.train),
+                        bootstrap_from=boot.source, consent_ids=_consent_ids(directory))
 
     def _register(self, prepared: Prepared, contest: Contest, decision: gates.GateDecision, result: Any,
                   champion: DrafterVersion | None, tau_canary: float) -> DrafterVersion:
@@ -296,6 +305,9 @@ def resume_promotion(loop: Loop) -> list[str]:
             continue
         if run.version is not None:  # set once the version exists with its gate tag
             v = loop.registry.version(loop.base_model, run.version)
+            run_dir = loop.settings.work_dir / run.run_id
+            if read_lineage(run_dir).version is None:  # killed before noting it: which dataset is unknown
+                record_lineage(run_dir, Lineage(run.run_id, loop.base_model, v.version))
             decision = gates.GateDecision(gates.GateVerdict(v.tags[Tag.GATE]), v.tags.get(Tag.GATE_REASON, ""))
             done = loop.history.last(loop.base_model)
             if done is not None and done.version == v.label and done.run_id == run.run_id:
@@ -313,6 +325,11 @@ def resume_promotion(loop: Loop) -> list[str]:
 _OUTCOME_OF = {Action.PROMOTED: RunOutcome.PROMOTED, Action.AWAITING_APPROVAL:
                RunOutcome.AWAITING_APPROVAL, Action.REFUSED: RunOutcome.REFUSED,
                Action.REJECTED: RunOutcome.REFUSED}
+
+
+def _consent_ids(directory: Path) -> frozenset[str]:
+    return frozenset(i for part in ("train", "eval") for i in pq.read_table(
+        directory / f"{part}.parquet", columns=["consent_id"])["consent_id"].to_pylist())
 
 
 def _sequences(path: Path) -> list[TokenSequence]:

@@ -21,6 +21,7 @@ Not here: the HTTP endpoints (`daemon/retrain/http.py`), a run's steps (`run.py`
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
@@ -76,7 +77,7 @@ class RetrainDaemon:
         self.watch = Watch(self.base_model, self.loop.registry, self.loop.history, self.live, policy.rollout,
                            list(settings.engines), settings.plot)
         self.erasures = ErasureFollowUp(self.base_model, settings.traces_root, settings.work_dir, self.loop.registry,
-                                        self.loop.history, policy.data.on_erasure)
+                                        self.loop.history, policy.data.on_erasure, settings.audit_log_path())
         self.retention = Retention(settings.traces_root, settings.work_dir, self.live, settings.audit_log_path(),
                                    tenant_retention(settings.tenants_file), settings.trace_retention_days,
                                    settings.run_retention_days, settings.live_tau_retention_days)
@@ -88,7 +89,8 @@ class RetrainDaemon:
         self.last_tick: TickReport | None = None
         self.scheduler = BackgroundScheduler(
             jobstores={"default": SQLAlchemyJobStore(engine=self.db), "memory": MemoryJobStore()},
-            executors={"default": ThreadPoolExecutor(1), "watch": ThreadPoolExecutor(1)},
+            executors={"default": ThreadPoolExecutor(1), "watch": ThreadPoolExecutor(1),
+                       "housekeeping": ThreadPoolExecutor(1)},
             job_defaults={"coalesce": True, "max_instances": 1}, timezone=UTC)
 
     @property
@@ -102,6 +104,10 @@ class RetrainDaemon:
         self._schedule_tick()
         self.scheduler.add_job(self._watch, IntervalTrigger(seconds=self.settings.watch_s), id="watch",
                                jobstore="memory", executor="watch", replace_existing=True)
+        # Erasure follow-up and retention rewrite trace files under the root's lock, for as long as
+        # that takes: on their own thread, so that rollbacks are never late for them.
+        self.scheduler.add_job(self._housekeeping, IntervalTrigger(seconds=self.settings.watch_s), id="housekeeping",
+                               jobstore="memory", executor="housekeeping", replace_existing=True)
         self.scheduler.resume()
         log.info("retraining daemon for %s started; next tick %s", self.base_model, self.next_tick())
 
@@ -216,13 +222,11 @@ class RetrainDaemon:
             log.warning("not resuming unfinished runs now (MLflow unavailable: %s); the next start will", e)
 
     def _watch(self) -> None:
-        for job in (self.watch, self.erasures, lambda: self.retention(self.current_run)):
-            try:
-                job()
-            except RegistryUnavailable as e:
-                log.warning("watch: MLflow unavailable: %s", e)
-            except Exception:  # the watch must outlive any one failure; the next one tries again
-                log.exception("watch failed")
+        _survive("watch", self.watch)
+
+    def _housekeeping(self) -> None:
+        _survive("erasure follow-up", self.erasures)
+        _survive("retention", lambda: self.retention(self.current_run))
 
     def _schedule_tick(self) -> None:
         """Keep the stored job (and its next run time, which may be overdue: a misfire) unless the
@@ -241,6 +245,16 @@ class RetrainDaemon:
         due = self.next_tick()
         if due is not None:
             self.metrics.next_run.set(due.timestamp())
+
+
+def _survive(what: str, job: Callable[[], object]) -> None:
+    """Run `job`; a failure is logged and the next interval tries again."""
+    try:
+        job()
+    except RegistryUnavailable as e:
+        log.warning("%s: MLflow unavailable: %s", what, e)
+    except Exception:
+        log.exception("%s failed", what)
 
 
 def schedule_trigger(schedule: Schedule) -> BaseTrigger:

@@ -32,7 +32,8 @@ def _env(*names: str) -> AliasChoices:
 
 
 class DaemonSettings(BaseSettings):
-    model_config = SettingsConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+    # "none" in the environment is None: a retention of none keeps everything.
+    model_config = SettingsConfigDict(frozen=True, extra="forbid", populate_by_name=True, env_parse_none_str="none")
 
     policy: Path = Field(validation_alias=_env("policy", "SPECLOOP_DAEMON_POLICY"))
     registry: str = Field(validation_alias=_env("registry", "SPECLOOP_REGISTRY"))

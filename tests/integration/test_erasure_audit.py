@@ -6,19 +6,22 @@ live sink files, in a finished run's training set (the run promotes a drafter), 
 flight (produced while the sink is down) when the subject revokes consent with erasure. Afterwards a
 search of every file under the test's directory (raw bytes; and in Parquet, every text value and
 every token-id list, since Parquet compresses) finds the canary 0 times where it found it in each
-of those places before; the in-flight trace never lands; the erasure report names the run and the
-drafter version trained on the subject, and the daemon flags that version in the registry.
+of those places before; the in-flight trace never lands. As deployed, the engine's eraser cannot
+reach the daemon's work directory: the daemon's follow-up scrubs the run's dataset, reports the run
+and drafter version trained on the subject in the audit log, and flags that version.
 
 Not covered here: Kafka's own copy (the embedded broker keeps topics in memory, outside the data
 directory; docs/data-governance.md says how long a real cluster keeps them).
 """
 
+import json
 import time
 from pathlib import Path
 
 import httpx
 import pyarrow.parquet as pq
 import pytest
+from kafka import KafkaConsumer
 
 from specloop.daemon.retrain.policy import parse_policy
 from specloop.daemon.retrain.run_log import RunOutcome
@@ -51,6 +54,21 @@ def _wait_for_rows(root: Path, count: int) -> None:
     while len(_rows(root)) < count:
         assert time.monotonic() < deadline, f"{count} traces did not reach Parquet"
         time.sleep(0.3)
+
+
+def _on_topic(bootstrap: str, topic: str, until: str) -> set[str]:
+    """Trace ids on the topic, read from the start until `until` is among them (30 s at most)."""
+    consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
+                             consumer_timeout_ms=1_000)
+    seen: set[str] = set()
+    deadline = time.monotonic() + 30
+    try:
+        while until not in seen and time.monotonic() < deadline:
+            for records in consumer.poll(timeout_ms=200).values():
+                seen.update(json.loads(r.value)["trace_id"] for r in records)
+    finally:
+        consumer.close()
+    return seen
 
 
 def _contains(haystack: list[int], needle: list[int]) -> bool:
@@ -110,16 +128,19 @@ def test_erasure_reaches_every_copy_and_names_the_drafters_trained_on_the_subjec
                     _chat(url, model, f"note {i}: {CANARY} {text}", "canary-user")
             _wait_for_rows(root, 50)
 
+            assert not wiring.resolved.work_dir.exists()  # the engine's idea of it: not on its machine
             daemon_settings = DaemonSettings(
                 policy=tmp_path / "unused.yaml", registry=registry.tracking_uri, traces_root=root,
                 consent_db=wiring.resolved.registry_path, state_db=f"sqlite:///{tmp_path / 'state.db'}",
-                work_dir=wiring.resolved.work_dir, engines=[url])
+                work_dir=tmp_path / "daemon-volume" / "runs", engines=[url],
+                audit_log=wiring.resolved.audit_log_path)
             daemon = RetrainDaemon(daemon_settings, parse_policy(POLICY), deep_loaded, registry)
             daemon.tick()
             run = daemon.loop.runs.runs()[-1]
             assert run.outcome is RunOutcome.PROMOTED, run.detail
         # The sink is down: this trace is produced and waits in Kafka while the erasure runs.
         in_flight = _chat(url, model, f"last one {CANARY}", "canary-user")
+        assert in_flight in _on_topic(wiring.sink.bootstrap_servers, wiring.sink.topic, in_flight)
 
         before = canary_hits(tmp_path, CANARY, canary_ids)
         assert any("compacted-" in h for h in before), before
@@ -136,12 +157,17 @@ def test_erasure_reaches_every_copy_and_names_the_drafters_trained_on_the_subjec
             while not _rows(root, "trace_id = $id", {"id": marker}):
                 assert time.monotonic() < deadline, "the sink did not catch up"
                 time.sleep(0.3)
-        assert daemon.erasures() == ["v2"]
+        left = canary_hits(tmp_path, CANARY, canary_ids)  # only the daemon's copies, out of the eraser's reach
+        assert f"daemon-volume/runs/{run.run_id}/dataset/train.parquet" in left, left
+        assert all(h.startswith(f"daemon-volume/runs/{run.run_id}/dataset/") for h in left), left
+        assert daemon.erasures() == ["v2"]  # its next watch
 
     assert _rows(root, "trace_id = $id", {"id": in_flight}) == []
     assert canary_hits(tmp_path, CANARY, canary_ids) == []
-    assert report["status"] == "ok"
-    trained_on = report["erasure"]["trained_on"]
-    assert [(t["run_id"], t["base_model"], t["version"]) for t in trained_on] == [(run.run_id, fp, "2")]
+    assert report["status"] == "ok" and report["erasure"]["work_dir_reached"] is False
+    audit = [json.loads(line) for line in wiring.resolved.audit_log_path.read_text().splitlines()]
+    [lineage] = [e for e in audit if e["event"] == "erasure_lineage"]
+    assert lineage["erasure_id"] == report["erasure"]["erasure_id"]
+    assert lineage["drafter_versions"] == [f"{fp} v2"] and lineage["trained_on"] == [f"{run.run_id}: {fp} v2"]
     assert registry.version(fp, "2").tags[Tag.TRAINED_ON_ERASED] == "1"
     assert not list(tmp_path.rglob(".*.tmp"))

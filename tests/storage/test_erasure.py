@@ -5,7 +5,7 @@ from pathlib import Path
 
 import duckdb
 
-from specloop.storage.broker import TOPIC_RETENTION
+from specloop.storage.broker import SEGMENT_TIME, TOPIC_RETENTION
 from specloop.storage.erasure import erase_subject
 from specloop.storage.layout import hive_dir, live_files, sink_file_name, write_parquet_atomic
 from specloop.storage.schema import to_arrow
@@ -49,14 +49,14 @@ def _run_dataset(work_dir: Path, run: str, traces: list, split: str = "train") -
 def test_run_datasets_are_scrubbed_and_the_drafters_they_trained_are_named(tmp_path: Path) -> None:
     import pyarrow.parquet as pq
 
-    from specloop.storage.dataset_copies import record_lineage, trained_on_erased
+    from specloop.storage.dataset_copies import Lineage, record_lineage, trained_on_erased
 
     root, work = tmp_path / "traces", tmp_path / "runs"
     gone = make_trace("gone-1", subject=SUBJECT_A)
     write_parquet_atomic(hive_dir(root, "fp-test", "2025-03-01") / sink_file_name("traces", 0, 0), to_arrow([gone]))
     trained = _run_dataset(work, "run-1", [gone, make_trace("kept-1", subject=SUBJECT_B)])
     _run_dataset(work, "run-1", [make_trace("gone-2", subject=SUBJECT_A)], "eval")
-    record_lineage(work / "run-1", "fp-test", "4")
+    record_lineage(work / "run-1", Lineage("run-1", "fp-test", "4", "dataset"))
     evaluated_only = _run_dataset(work, "run-2", [make_trace("gone-3", subject=SUBJECT_A)], "eval")
     untouched = _run_dataset(work, "run-3", [make_trace("kept-2", subject=SUBJECT_B)])
     # A dataset from before datasets kept the subject: scrubbed by the trace ids found in the store.
@@ -76,6 +76,6 @@ def test_run_datasets_are_scrubbed_and_the_drafters_they_trained_are_named(tmp_p
         ("run-1", "fp-test", "4"), ("run-4", None, None)]
     assert trained_on_erased(work / "run-1") == [result.erasure_id]
     expires = datetime.fromisoformat(result.kafka_copies_expire_by) - datetime.now(UTC)
-    assert TOPIC_RETENTION - timedelta(minutes=1) < expires <= TOPIC_RETENTION
+    assert TOPIC_RETENTION + SEGMENT_TIME - timedelta(minutes=1) < expires <= TOPIC_RETENTION + SEGMENT_TIME
     assert trained_on_erased(work / "run-2") == []  # judged on them, not trained on them
     assert erase_subject(root, "acme", SUBJECT_A, work).dataset_rows_removed == 0

@@ -8,7 +8,7 @@ import duckdb
 import pyarrow.parquet as pq
 
 from specloop.storage.dataset import OUTPUT_COLUMNS
-from specloop.storage.dataset_copies import TRAIN_SUBJECTS_FILE, expire_run, record_lineage, scrub_subject
+from specloop.storage.dataset_copies import TRAIN_SUBJECTS_FILE, Lineage, expire_run, record_lineage, scrub_subject
 from specloop.storage.erased import record_erasure
 from specloop.storage.expiry import expire_traces
 from specloop.storage.layout import hive_dir, live_files, sink_file_name, write_parquet_atomic
@@ -50,7 +50,7 @@ def test_an_expired_run_keeps_its_lineage_and_a_later_erasure_still_names_its_dr
     write_parquet_atomic(run / "dataset" / "eval.parquet", rows.select(list(OUTPUT_COLUMNS)))
     (run / "challenger").mkdir()
     (run / "challenger" / "model.safetensors").write_bytes(b"x" * 1000)
-    record_lineage(run, "fp-test", "7")
+    record_lineage(run, Lineage(run.name, "fp-test", "7", "dataset"))
 
     assert expire_run(run) > 1000
     assert sorted(p.name for p in run.iterdir()) == ["registered.json", TRAIN_SUBJECTS_FILE]

@@ -174,6 +174,27 @@ def test_consent_revoked_during_training_stops_the_run_before_it_registers(make_
     assert loop.registry.champion(loop.base_model).version == "1"
 
 
+def test_an_erasure_during_training_stops_the_run_though_it_scrubbed_the_dataset(
+        make_loop: Callable[..., Loop], consent_id: str, tmp_path: Path) -> None:
+    from specloop.storage.erasure import erase_subject
+
+    loop = make_loop()
+    store_traces(loop.settings.traces_root, loop.target, consent_id, 48)
+    seed_champion(loop, tmp_path)
+    erased = []
+
+    def erase_once() -> None:  # revocation with erasure, reaching the run's own dataset mid-training
+        if not erased:
+            _revoke(loop)
+            erased.append(erase_subject(loop.settings.traces_root, TENANT, SUBJECT, loop.settings.work_dir))
+
+    _, outcome = run(loop, should_stop=erase_once)
+    record = loop.runs.runs()[-1]
+    assert erased and erased[0].dataset_rows_removed > 0  # the files the re-check once read are scrubbed
+    assert outcome is RunOutcome.CONSENT_WITHDRAWN and "erased since it was built" in record.detail, record.detail
+    assert [v.version for v in loop.registry.versions(loop.base_model)] == ["1"]
+
+
 def test_consent_revoked_after_registering_refuses_the_version(make_loop: Callable[..., Loop], consent_id: str,
                                                                tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from specloop.daemon.retrain import run as run_module
