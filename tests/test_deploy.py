@@ -522,7 +522,8 @@ def deployed_services() -> dict[str, tuple[dict[str, str], list[str], dict[str, 
     return {
         "compose": (compose_env(compose_service("serve")[1]), compose_argv(compose_service("daemon")[1]),
                     compose_env(compose_service("daemon")[1])),
-        "systemd": ({**env_example(), **unit_environment(systemd_engine)}, exec_start(systemd_daemon), env_example()),
+        "systemd": ({**env_example(), **unit_environment(systemd_engine)}, exec_start(systemd_daemon),
+                    {**env_example(), **unit_environment(systemd_daemon)}),
         "kubernetes": (k8s_engine, argv(the_container("specloop-daemon")),
                        container_env(the_container("specloop-daemon"))),
     }
@@ -557,6 +558,8 @@ def test_daemon_options_and_environment_are_valid_settings(way: str, monkeypatch
             options[name] = value
     settings = DaemonSettings(**options)
     assert settings.engines, "no engine to watch live τ on"
+    # Retention reads each tenant's retention_days from the file the engines serve with.
+    assert settings.tenants_file is not None and settings.tenants_file.name == "tenants.yaml", way
 
 
 # ------------------------------------------------------------------------------------------ files and tools

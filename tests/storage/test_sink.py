@@ -148,14 +148,14 @@ def test_a_trace_in_flight_when_its_subject_was_erased_never_lands(
 ) -> None:
     from datetime import UTC, datetime, timedelta
 
-    from specloop.storage.erased import record_erasure
+    from specloop.storage.erased import CLOCK_MARGIN, record_erasure
     from tests.storage.traces import SUBJECT_B
 
     sink_config.root.mkdir(parents=True)
     erased_at = datetime.now(UTC)
     record_erasure(sink_config.root, "acme", make_trace().subject, erased_at)
     traces = [make_trace("in-flight", created_at=erased_at - timedelta(seconds=2)),  # captured before the erasure
-              make_trace("granted-again", created_at=erased_at + timedelta(seconds=1)),
+              make_trace("granted-again", created_at=erased_at + CLOCK_MARGIN + timedelta(seconds=1)),
               make_trace("someone-else", created_at=erased_at - timedelta(seconds=2), subject=SUBJECT_B)]
     producer = TraceProducer(sink_config.bootstrap_servers, sink_config.topic, registry=CollectorRegistry())
     assert all(producer.submit(t) for t in traces)
