@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from specloop.storage.erased import Erasure, without_erased
-from specloop.storage.layout import append_json_line, write_json_atomic, write_parquet_atomic
+from specloop.storage.layout import append_json_line, read_json_lines, write_json_atomic, write_parquet_atomic
 
 LINEAGE_NAME = "registered.json"
 RUN_ERASURES_NAME = "erasures.jsonl"
@@ -135,10 +135,7 @@ def erasures_of(run_dir: Path) -> list[str]:
 
 
 def _run_erasures(run_dir: Path) -> list[dict]:
-    path = run_dir / RUN_ERASURES_NAME
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_json_lines(run_dir / RUN_ERASURES_NAME)
 
 
 def trained_on_erased(run_dir: Path) -> list[str]:

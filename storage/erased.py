@@ -54,11 +54,16 @@ def record_erasure(root: Path, tenant: str, subject: str, at: datetime | None = 
     return erasure
 
 
+class JournalCorrupt(RuntimeError):
+    """A complete journal line that cannot be read: which subject it erased is unknown, so nothing
+    that applies the journal may go on (not a ValueError: no caller may take it for bad input)."""
+
+
 def read_erasures(root: Path) -> list[Erasure]:
     """Every erasure recorded under `root`, oldest first; none when the journal does not exist.
 
     An unterminated last line is an append cut short (a full disk): it recorded nothing, since its
-    eraser failed, and is skipped. A corrupt complete line raises ValueError: which subject it
+    eraser failed, and is skipped. A corrupt complete line raises `JournalCorrupt`: which subject it
     erased cannot be known, and applying the rest would let that one's traces land.
     """
     path = journal_path(root)
@@ -76,7 +81,7 @@ def read_erasures(root: Path) -> list[Erasure]:
             d = json.loads(line)
             found.append(Erasure(d["erasure_id"], d["tenant"], d["subject"], datetime.fromisoformat(d["erased_at"])))
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}:{number}: unreadable erasure record ({e}); repair the journal") from e
+            raise JournalCorrupt(f"{path}:{number}: unreadable erasure record ({e}); repair the journal") from e
     return found
 
 

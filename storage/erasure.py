@@ -76,8 +76,9 @@ def apply_erasure(root: Path, erasure: Erasure) -> int:
 
 def kafka_copies_expire_by(erasure: Erasure) -> datetime:
     """When the last record of the subject is gone from Kafka: Kafka deletes whole segments, so a
-    record lives up to the retention after its segment closes (`SEGMENT_TIME` at most)."""
-    return erasure.erased_at + SEGMENT_TIME + TOPIC_RETENTION
+    record lives up to the retention after its segment closes (`SEGMENT_TIME` at most); records
+    created up to `CLOCK_MARGIN` after the erasure count as erased too."""
+    return erasure.erased_at + CLOCK_MARGIN + SEGMENT_TIME + TOPIC_RETENTION
 
 
 def _erase_files(root: Path, erasure: Erasure) -> tuple[tuple[Path, ...], int, frozenset[str]]:

@@ -105,6 +105,7 @@ def append_json_line(path: Path, document: dict) -> None:
     created = not path.exists()
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o600)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # writers of one file (eraser, daemons) check and append in turn
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":  # a crash cut an append short: it recorded nothing
             size = os.pread(fd, size, 0).rfind(b"\n") + 1
@@ -118,6 +119,15 @@ def append_json_line(path: Path, document: dict) -> None:
         os.close(fd)
     if created:
         fsync_dir(path.parent)
+
+
+def read_json_lines(path: Path) -> list[dict]:
+    """The documents `append_json_line` wrote; an unterminated last line (a crash mid-append, whose
+    writer never returned) is left out."""
+    if not path.exists():
+        return []
+    lines = path.read_text().split("\n")
+    return [json.loads(line) for line in lines[:-1] if line.strip()]
 
 
 def remove_durably(paths: list[Path]) -> None:

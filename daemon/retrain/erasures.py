@@ -31,7 +31,14 @@ from pathlib import Path
 from specloop.consent.audit import append_audit
 from specloop.daemon.retrain.history import Action, PromotionHistory
 from specloop.daemon.retrain.policy import OnErasure
-from specloop.storage.dataset_copies import Lineage, read_lineage, scrub_subject, trained_on_erased
+from specloop.storage.dataset_copies import (
+    LINEAGE_NAME,
+    RUN_ERASURES_NAME,
+    Lineage,
+    read_lineage,
+    scrub_subject,
+    trained_on_erased,
+)
 from specloop.storage.erased import Erasure, read_erasures
 from specloop.storage.erasure import apply_erasure
 from specloop.storage.layout import write_json_atomic
@@ -50,17 +57,43 @@ class ErasureFollowUp:
     on_erasure: OnErasure
     audit_log: Path
 
+    _acted_on: tuple | None = None  # what `act` last saw: it calls MLflow only when that changes
+
     def __call__(self) -> list[str]:
-        """Apply the journal's new entries, then the policy; the labels of the versions acted on now."""
+        """Both halves, in order (tests; the daemon runs them on two threads)."""
+        self.apply_journal()
+        return self.act()
+
+    def apply_journal(self) -> None:
+        """The journal's new entries, in order, each recorded in the cursor once done. One that fails
+        stops the pass (logged); the next pass tries it again."""
         for erasure in self._new_entries():
             self._finish(erasure)
             write_json_atomic(self._cursor(), {"last": erasure.erasure_id})
-        return [] if self.on_erasure is OnErasure.KEEP else self._act()
+
+    def act(self) -> list[str]:
+        """The policy on every tainted version; the labels of the versions flagged now. On the watch
+        thread, with rollbacks: two threads must not move `champion` at once."""
+        if self.on_erasure is OnErasure.KEEP:
+            return []
+        seen = self._state()
+        if seen == self._acted_on:
+            return []
+        acted = self._act()
+        self._acted_on = seen
+        return acted
+
+    def _state(self) -> tuple:
+        """What `_act`'s answer depends on, on disk: each run's lineage and erasure records."""
+        if not self.work_dir.is_dir():
+            return ()
+        return tuple((p.name, *(_size(p / name) for name in (LINEAGE_NAME, RUN_ERASURES_NAME)))
+                     for p in sorted(self.work_dir.iterdir()) if p.is_dir())
 
     def _new_entries(self) -> list[Erasure]:
         journal = read_erasures(self.traces_root)
         path = self._cursor()
-        last = json.loads(path.read_text())["last"] if path.exists() else None
+        last = json.loads(path.read_text()).get("last") if path.exists() else None
         ids = [e.erasure_id for e in journal]
         return journal[ids.index(last) + 1:] if last in ids else journal  # unknown: all again, harmlessly
 
@@ -70,11 +103,16 @@ class ErasureFollowUp:
         if rows or scrubbed.rows_removed:
             log.warning("erasure %s: %d trace rows and %d run dataset rows the eraser had not reached",
                         erasure.erasure_id, rows, scrubbed.rows_removed)
-        trained = [x for x in self._lineages() if erasure.erasure_id in trained_on_erased(self.work_dir / x.run_id)]
+        lineages = self._lineages()
+        trained = [x for x in lineages if erasure.erasure_id in trained_on_erased(self.work_dir / x.run_id)]
+        mine = {x.version: x for x in lineages if x.base_model == self.base_model and x.version is not None}
+        descendants = sorted((v for v, ids in _tainted(mine, self.work_dir).items() if erasure.erasure_id in ids),
+                             key=int)
         append_audit(self.audit_log, "erasure_lineage", "daemon", erasure_id=erasure.erasure_id,
                      tenant=erasure.tenant, subject=erasure.subject, trace_rows_removed=rows,
                      dataset_rows_removed=scrubbed.rows_removed, trained_on=[x.label for x in trained],
                      drafter_versions=[f"{x.base_model} v{x.version}" for x in trained if x.version is not None],
+                     tainted_versions=[f"{self.base_model} v{v}" for v in descendants],
                      on_erasure=self.on_erasure.value)
 
     def _lineages(self) -> list[Lineage]:
@@ -86,7 +124,8 @@ class ErasureFollowUp:
         """Flag (and under `retire`, retire) every tainted version of this base model."""
         mine = {x.version: x for x in self._lineages() if x.base_model == self.base_model and x.version is not None}
         acted = []
-        for version, erased in sorted(_tainted(mine, self.work_dir).items()):
+        tainted = _tainted(mine, self.work_dir)
+        for version, erased in sorted(tainted.items(), key=lambda item: int(item[0])):
             try:
                 v = self.registry.version(self.base_model, version)
             except ValueError as e:  # deleted in MLflow since: nothing left to flag
@@ -97,7 +136,7 @@ class ErasureFollowUp:
                 log.warning("%s was trained on %d subjects erased since: flagged", v.label, len(erased))
                 acted.append(v.label)
             if self.on_erasure is OnErasure.RETIRE:
-                self._retire(v, len(erased), set(_tainted(mine, self.work_dir)))
+                self._retire(v, len(erased), set(tainted))
         return acted
 
     def _retire(self, v: DrafterVersion, erased: int, tainted: set[str]) -> None:
@@ -131,20 +170,22 @@ class ErasureFollowUp:
         return self.work_dir / f"_erasures-applied-{self.base_model}.json"
 
 
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else -1
+
+
 def _tainted(lineages: dict[str, Lineage], work_dir: Path) -> dict[str, set[str]]:
-    """Version -> the erasure ids behind it: its own run's, and those of what it warm-started from."""
-    found: dict[str, set[str]] = {}
-
-    def erased(version: str, seen: frozenset[str]) -> set[str]:
-        x = lineages.get(version)
-        if x is None or version in seen:
-            return set()
-        own = set(trained_on_erased(work_dir / x.run_id))
-        parent = erased(x.warm_start_from, seen | {version}) if x.warm_start_from else set()
-        return own | parent
-
+    """Version -> the erasure ids behind it: its own run's, and those of what it warm-started from
+    (followed iteratively, in version order: a long-lived deployment's chain is hundreds deep)."""
+    own = {v: set(trained_on_erased(work_dir / x.run_id)) for v, x in lineages.items()}
+    memo: dict[str, set[str]] = {}
     for version in lineages:
-        ids = erased(version, frozenset())
-        if ids:
-            found[version] = ids
-    return found
+        chain, v = [], version
+        while v is not None and v in lineages and v not in memo and v not in chain:
+            chain.append(v)
+            v = lineages[v].warm_start_from
+        inherited = memo.get(v, set()) if v is not None else set()
+        for link in reversed(chain):
+            inherited = own[link] | inherited
+            memo[link] = inherited
+    return {v: ids for v, ids in memo.items() if ids}

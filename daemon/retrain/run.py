@@ -102,6 +102,7 @@ class RetrainRun:
         self.dir = loop.settings.work_dir / run_id
         self.timings: dict[str, float] = {}
         self.started = datetime.now(UTC)
+        self.warm_from: DrafterVersion | None = None  # the champion the challenger started from
 
     def execute(self) -> RunOutcome:
         loop = self.loop
@@ -132,6 +133,7 @@ class RetrainRun:
                 champion, loop.settings.work_dir / "drafters", max_artifact_bytes(loop.target.model.config))
         with self._step("train"):
             warm = champion_dir if loop.policy.training.warm_start else None
+            self.warm_from = None if warm is None else champion
             cfg = train_config(loop.policy.training, self.dir / "challenger", warm, _seed(self.run_id),
                                _dtype_name(loop.target), len(prepared.train))
             result = train_challenger(cfg, loop.target.model, loop.base_model, prepared.train, self.should_stop,
@@ -206,6 +208,9 @@ class RetrainRun:
         """Why the run must stop because consent changed since its dataset was built, or None: any
         trace it trained or was judged on whose consent is no longer in force (revoked, expired), or
         whose subject was erased meanwhile (the erasure scrubbed the dataset, not the weights)."""
+        if self.warm_from is not None and Tag.TRAINED_ON_ERASED in self.loop.registry.version(
+                self.loop.base_model, self.warm_from.version).tags:  # its weights carry what it started from
+            return f"warm-started from {self.warm_from.label}, trained on subjects erased since"
         erased = erasures_of(self.dir)
         if erased:
             log.warning("run %s: %d subjects of its dataset were erased since it was built", self.run_id, len(erased))

@@ -223,9 +223,10 @@ class RetrainDaemon:
 
     def _watch(self) -> None:
         _survive("watch", self.watch)
+        _survive("erasure policy", self.erasures.act)  # moves aliases: on this thread, as rollbacks do
 
     def _housekeeping(self) -> None:
-        _survive("erasure follow-up", self.erasures)
+        _survive("erasure follow-up", self.erasures.apply_journal)
         _survive("retention", lambda: self.retention(self.current_run))
 
     def _schedule_tick(self) -> None:

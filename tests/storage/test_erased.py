@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from specloop.storage.erased import CLOCK_MARGIN, read_erasures, record_erasure, without_erased
+from specloop.storage.erased import CLOCK_MARGIN, JournalCorrupt, read_erasures, record_erasure, without_erased
 from specloop.storage.schema import to_arrow
 from tests.storage.traces import SUBJECT_A, SUBJECT_B, T0, make_trace
 
@@ -59,5 +59,5 @@ def test_a_corrupt_complete_line_is_an_error_naming_it(tmp_path: Path) -> None:
     record_erasure(tmp_path, "acme", SUBJECT_A, T0)
     with open(tmp_path / "_erasures.jsonl", "a") as journal:
         journal.write("not json\n")
-    with pytest.raises(ValueError, match="_erasures.jsonl:2"):
+    with pytest.raises(JournalCorrupt, match="_erasures.jsonl:2"):
         read_erasures(tmp_path)

@@ -60,3 +60,12 @@ def test_an_expired_run_keeps_its_lineage_and_a_later_erasure_still_names_its_dr
     scrubbed = scrub_subject(tmp_path, record_erasure(tmp_path, "acme", SUBJECT_A))
     assert [(x.run_id, x.version) for x in scrubbed.trained_on] == [(run.name, "7")]
     assert pq.read_table(run / TRAIN_SUBJECTS_FILE)["subject"].to_pylist() == [SUBJECT_B]
+
+
+def test_a_torn_run_erasure_record_is_ignored(tmp_path: Path) -> None:
+    from specloop.storage.dataset_copies import trained_on_erased
+
+    run = tmp_path / "run-1"
+    run.mkdir()
+    (run / "erasures.jsonl").write_text('{"erasure_id": "e1", "rows_removed": 1, "trained": true}\n{"erasure_id": "e')
+    assert trained_on_erased(run) == ["e1"]

@@ -11,6 +11,7 @@ from specloop.consent.registry import ConsentRegistry
 from specloop.daemon.retrain.history import Action
 from specloop.daemon.retrain.run import Loop, RetrainRun, new_run_id, resume_promotion
 from specloop.daemon.retrain.run_log import RunOutcome
+from specloop.storage.dataset_copies import Lineage, read_lineage
 from specloop.storage.registry import CHALLENGER, Approval, DrafterRegistry, RegistryUnavailable, Tag
 from tests.daemon.retrain.conftest import FAST_POLICY, SUBJECT, TENANT, seed_champion, store_traces
 
@@ -40,6 +41,8 @@ def test_a_run_registers_a_fully_tagged_version_and_promotes_it(make_loop: Calla
     assert v.tags[Tag.GATE] == "promote" and v.tags[Tag.PREVIOUS_CHAMPION] == "1" and v.tags[Tag.RUN] == run_id
     event = loop.history.last(loop.base_model)
     assert (event.action, event.version, event.previous, event.run_id) == (Action.PROMOTED, "v2", "v1", run_id)
+    # What erasure reads: the version, the dataset it trained on and the champion it started from.
+    assert read_lineage(loop.settings.work_dir / run_id) == Lineage(run_id, loop.base_model, "2", "dataset", "1")
     # The MLflow run holds the params, metrics and dataset, and the version's artifact.
     client = loop.registry._client
     mlflow_run = client.get_run(v.run_id)
