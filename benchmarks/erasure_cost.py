@@ -8,7 +8,8 @@ of one tenant. Measured, each in the same run:
 - erasing the heaviest subject (one trace in 20, so in nearly every file);
 - the sink's filter on one batch with `--journal` erasures recorded (a long-lived deployment);
 - one retention pass that expires the oldest third of the days.
-Erasure holds the lock from journalling to its last rewrite, expiry per file (`storage/expiry.py`).
+Erasure holds the lock while it journals and lists the subject's files (`listing_seconds`, its
+longest hold), then once per file it rewrites; expiry per file (`storage/expiry.py`).
 
 Writes `benchmarks/results/erasure_cost.json`. Not a test; about a minute at 100,000 traces.
 """
@@ -28,8 +29,8 @@ import pyarrow as pa
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # `benchmarks`; last, so no folder shadows a package
 from benchmarks.machine import describe  # noqa: E402
-from specloop.storage.erased import read_erasures, record_erasure, without_erased  # noqa: E402
-from specloop.storage.erasure import erase_subject  # noqa: E402
+from specloop.storage.erased import Erasure, read_erasures, record_erasure, without_erased  # noqa: E402
+from specloop.storage.erasure import _listed, erase_subject  # noqa: E402
 from specloop.storage.expiry import expire_traces  # noqa: E402
 from specloop.storage.layout import hive_dir, live_files, sink_file_name, write_parquet_atomic  # noqa: E402
 from specloop.storage.schema import ARROW_SCHEMA  # noqa: E402
@@ -107,6 +108,8 @@ def main() -> None:
         _, build_s = timed(lambda: build_store(root, args, heavy))
         files = live_files(root)
         store_mb = sum(p.stat().st_size for p in files) / 1e6
+        # The longest single hold of the lock: journalling and listing, a scan of every file's keys.
+        _, listing_s = timed(lambda: _listed(root, Erasure("probe", TENANT, heavy, datetime.now(UTC))))
         ordinary, ordinary_s = timed(lambda: erase_subject(root, TENANT, subject(7)))
         heaviest, heavy_s = timed(lambda: erase_subject(root, TENANT, heavy))
         for i in range(args.journal):
@@ -121,6 +124,7 @@ def main() -> None:
         "machine": describe(),
         "store": {"traces": args.traces, "tokens_per_trace": 2 * args.tokens, "files": len(files),
                   "megabytes": round(store_mb, 1), "build_seconds": build_s},
+        "listing_seconds": listing_s,
         "erase_ordinary_subject": {"seconds": ordinary_s, "rows": ordinary.rows_removed,
                                    "files_rewritten": len(ordinary.files_rewritten)},
         "erase_heaviest_subject": {"seconds": heavy_s, "rows": heaviest.rows_removed,

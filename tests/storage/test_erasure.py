@@ -81,3 +81,24 @@ def test_run_datasets_are_scrubbed_and_the_drafters_they_trained_are_named(tmp_p
     assert longest - timedelta(minutes=1) < expires <= longest
     assert trained_on_erased(work / "run-2") == []  # judged on them, not trained on them
     assert erase_subject(root, "acme", SUBJECT_A, work).dataset_rows_removed == 0
+
+
+def test_rows_compacted_away_between_listing_and_rewriting_are_followed(tmp_path: Path) -> None:
+    from specloop.storage.compaction import compact
+    from specloop.storage.erased import record_erasure
+    from specloop.storage.erasure import _listed, _rewrite_files
+    from specloop.storage.layout import exclusive
+
+    directory = hive_dir(tmp_path, "fp-test", "2025-03-01")
+    for offset in (0, 10, 20):  # the newest stays out of compaction; the first two merge
+        write_parquet_atomic(directory / sink_file_name("traces", 0, offset),
+                             to_arrow([make_trace(subject=SUBJECT_A), make_trace(subject=SUBJECT_B)]))
+    with exclusive(tmp_path):
+        erasure = record_erasure(tmp_path, "acme", SUBJECT_A)
+        listed = _listed(tmp_path, erasure)
+    assert len(listed) == 3 and compact(tmp_path).merged_files  # the sink's waiting files moved meanwhile
+
+    rewritten, removed = _rewrite_files(tmp_path, erasure, listed)
+
+    assert removed == 3 and any(p.name.startswith("compacted-") for p in rewritten)
+    assert _subjects(tmp_path) == [("acme", SUBJECT_B, 3)]
