@@ -6,9 +6,10 @@ Kafka replays later; any interrupted compaction is finished; the files holding t
 listed. Then, taking the lock again for each (so the sink waits for one file, not the whole
 erasure), every live or compacted Parquet file holding the subject is replaced atomically (temp,
 fsync, rename, dir fsync) under the same name, so a reader sees the file before or after, never
-half of it (a file left with no rows stays as an empty file to keep the sink's naming intact); then, given the daemon's work directory, every
-dataset a run built is scrubbed of the subject (`specloop.storage.dataset_copies`), and the runs
-whose training split held them are reported with the drafter versions they registered.
+half of it (a file left with no rows stays as an empty file to keep the sink's naming intact);
+then, given the daemon's work directory, every dataset a run built is scrubbed of the subject
+(`specloop.storage.dataset_copies`), and the runs whose training split held them are reported with
+the drafter versions they registered.
 
 Not erased here: Kafka's own copies (they expire by the topics' retention, `specloop.storage.broker`;
 the report says by when)
@@ -27,7 +28,7 @@ import duckdb
 import pyarrow.parquet as pq
 
 from specloop.storage.broker import SEGMENT_TIME, TOPIC_RETENTION
-from specloop.storage.compaction import finish_pending
+from specloop.storage.compaction import finish_pending, rewrite_each
 from specloop.storage.dataset_copies import Lineage, scrub_subject
 from specloop.storage.erased import CLOCK_MARGIN, Erasure, record_erasure, without_erased
 from specloop.storage.layout import exclusive, live_files, write_parquet_atomic
@@ -94,22 +95,15 @@ def _listed(root: Path, erasure: Erasure) -> list[Path]:
 
 
 def _rewrite_files(root: Path, erasure: Erasure, affected: list[Path]) -> tuple[tuple[Path, ...], int]:
-    """Rewrite `affected`, taking the lock for each file: the sink waits for one file at a time, not
-    for the whole erasure (about 40 ms a file, benchmarks/erasure_cost.py). A file compacted away
-    in between moved its rows into a merged file, so the files are listed again until none holds
-    the subject; new sink files never do, since the erasure is in the journal they are filtered by."""
+    """Rewrite `affected` one file at a time (`rewrite_each`). A file compacted away in between moved
+    its rows into a merged file, so the files are listed again until none holds the subject; new
+    sink files never do, since the erasure is in the journal they are filtered by."""
     rewritten: list[Path] = []
     removed = 0
     for _ in range(_MAX_PASSES):
-        moved = False
-        for path in affected:
-            with exclusive(root):
-                finish_pending(root)
-                if path.exists():
-                    removed += _rewrite_without(path, erasure)
-                    rewritten.append(path)
-                else:
-                    moved = True
+        done, rows, moved = rewrite_each(root, affected, lambda path: _rewrite_without(path, erasure))
+        rewritten += done
+        removed += rows
         if not moved:
             return tuple(dict.fromkeys(rewritten)), removed
         with exclusive(root):

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from specloop.storage.compaction import finish_pending
+from specloop.storage.compaction import finish_pending, rewrite_each
 from specloop.storage.layout import exclusive, live_files, write_parquet_atomic
 from specloop.storage.schema import ARROW_SCHEMA
 
@@ -41,16 +41,11 @@ def expire_traces(root: Path, cutoffs: Mapping[str, datetime], default: datetime
         raise FileNotFoundError(f"traces root {root} is not a directory")
     if default is None and not cutoffs:
         return ExpiryResult((), 0)
-    rewritten: list[Path] = []
-    removed = 0
     with exclusive(root):
         finish_pending(root)
         affected = _affected_files(live_files(root), cutoffs, default)
-    for path in affected:  # the lock per file: a first pass over a large store must not stall the sink
-        with exclusive(root):
-            if path.exists():  # compacted away meanwhile: its rows are in the merged file, next pass
-                removed += _rewrite_without_expired(path, cutoffs, default)
-                rewritten.append(path)
+    # A file compacted away meanwhile has its rows in the merged file: the next pass expires them.
+    rewritten, removed, _ = rewrite_each(root, affected, lambda path: _rewrite_without_expired(path, cutoffs, default))
     return ExpiryResult(tuple(rewritten), removed)
 
 

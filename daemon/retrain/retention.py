@@ -21,12 +21,11 @@ from pathlib import Path
 from specloop.consent.audit import append_audit
 from specloop.consent.tenants import parse_tenants
 from specloop.daemon.retrain.live_tau import LiveTau
+from specloop.daemon.retrain.run import run_started
 from specloop.storage.dataset_copies import expire_run
 from specloop.storage.expiry import expire_traces
 
 log = logging.getLogger(__name__)
-
-_RUN_ID_TIME = "%Y%m%d-%H%M%S"  # the start of `run.new_run_id()`
 
 
 @dataclass
@@ -72,7 +71,7 @@ class Retention:
         cutoff = now - timedelta(days=self.run_days)
         expired = []
         for run_dir in sorted(p for p in self.work_dir.iterdir() if p.is_dir() and p.name != current_run):
-            started = _run_start(run_dir.name)
+            started = run_started(run_dir.name)
             if started is not None and started < cutoff and expire_run(run_dir):
                 expired.append(run_dir.name)
         return expired
@@ -83,10 +82,3 @@ def tenant_retention(tenants_file: Path | None) -> dict[str, float]:
     if tenants_file is None:
         return {}
     return {t.name: t.retention_days for t in parse_tenants(tenants_file).tenants if t.retention_days is not None}
-
-
-def _run_start(name: str) -> datetime | None:
-    try:
-        return datetime.strptime(name[:15], _RUN_ID_TIME).replace(tzinfo=UTC)
-    except ValueError:  # not a run: the champion cache `drafters/`, a cursor file
-        return None

@@ -89,8 +89,19 @@ class Prepared:
     consent_ids: frozenset[str] = frozenset()
 
 
+_RUN_ID_TIME = "%Y%m%d-%H%M%S"
+
+
 def new_run_id() -> str:
-    return f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
+    return f"{datetime.now(UTC):{_RUN_ID_TIME}}-{uuid.uuid4().hex[:6]}"
+
+
+def run_started(run_id: str) -> datetime | None:
+    """When the run named `run_id` started; None for a name no run has (`drafters/`, a scratch folder)."""
+    try:
+        return datetime.strptime(run_id[:15], _RUN_ID_TIME).replace(tzinfo=UTC)
+    except ValueError:
+        return None
 
 
 class RetrainRun:

@@ -48,11 +48,17 @@ def hook(registry: ConsentRegistry, tenants: TenantDirectory, pseudonymizer: Pse
     yield capture, out, tok, metrics  # each test closes it: close() examines what is queued, then stops
 
 
-def test_tokens_past_a_stop_string_are_screened(hook: tuple) -> None:
+def nothing_stored(hook: tuple, tenant: str, prompt: str, response: str, shown: str) -> CollectorRegistry:
+    """Capture one request and close; asserts no trace was submitted; the hook's metrics."""
     capture, out, tok, metrics = hook
-    capture(finished(tok, "acme", "hello", "fine END mail bob@example.org", shown="fine "))
+    capture(finished(tok, tenant, prompt, response, shown=shown))
     capture.close(5)
     assert out == []
+    return metrics
+
+
+def test_tokens_past_a_stop_string_are_screened(hook: tuple) -> None:
+    metrics = nothing_stored(hook, "acme", "hello", "fine END mail bob@example.org", shown="fine ")
     assert metrics.get_sample_value("specloop_capture_decisions_total", {"reason": "pii_dropped"}) == 1
 
 
@@ -69,8 +75,5 @@ def test_strip_mode_stores_no_ids_of_what_was_found(hook: tuple) -> None:
 
 
 def test_strip_mode_drops_a_trace_with_nothing_left(hook: tuple) -> None:
-    capture, out, tok, metrics = hook
-    capture(finished(tok, "globex", "my mail?", "bob@example.org", shown="bob@example.org"))
-    capture.close(5)
-    assert out == []
+    metrics = nothing_stored(hook, "globex", "my mail?", "bob@example.org", shown="bob@example.org")
     assert metrics.get_sample_value("specloop_capture_hook_dropped_total", {"reason": "stripped_to_nothing"}) == 1
