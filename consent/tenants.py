@@ -58,7 +58,7 @@ class TenantPolicy(BaseModel):
     suffix_cache: bool = True
     # Days this tenant's traces are kept; None: the deployment's default (the daemon applies both,
     # daemon/retrain/retention.py).
-    retention_days: float | None = Field(default=None, gt=0)
+    retention_days: float | None = Field(default=None, gt=0, le=36_500)  # a century: any longer overflows a date
 
     @model_validator(mode="after")
     def _check(self) -> "TenantPolicy":

@@ -53,7 +53,7 @@ from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException
 from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from pydantic import BaseModel, ConfigDict, Field
 
-from specloop.storage.erased import read_erasures, without_erased
+from specloop.storage.erased import Erasure, journal_path, read_erasures, without_erased
 from specloop.storage.layout import hive_dir, remove_durably, shared, sink_file_name, sink_files, write_parquet_atomic
 from specloop.storage.schema import TraceRejected, TraceRow, decode_row, rows_to_arrow
 
@@ -152,6 +152,8 @@ class TraceSink:
         self._metrics = _Metrics(registry)
         self._batches: dict[Partition, _Batch] = {}
         self._dead_letter_errors: list[str] = []
+        self._journal: list[Erasure] = []
+        self._journal_key: tuple[int, int] | None = None
         self._consumer = _client(Consumer, _consumer_settings(config))
         self._dead_letter = _client(Producer, _dead_letter_settings(config))
         self._consumer.subscribe([config.topic], on_assign=self._on_assign, on_revoke=self._on_revoke)
@@ -288,7 +290,7 @@ class TraceSink:
         # Erasure holds the lock exclusively from journalling to rewriting: a batch that was in
         # flight when a subject was erased loses their rows here, and one written before is erased.
         with shared(self.config.root):
-            erasures = read_erasures(self.config.root)
+            erasures = self._erasures()
             for (base_model, day), tables in batch.tables.items():
                 target = hive_dir(self.config.root, base_model, day) / name
                 if target.exists():
@@ -299,6 +301,16 @@ class TraceSink:
                     write_parquet_atomic(target, table)
                 written += table.num_rows
         return written
+
+    def _erasures(self) -> list[Erasure]:
+        """The journal, read again only when it changed: a deployment's years of erasures are parsed
+        once, not at every flush."""
+        path = journal_path(self.config.root)
+        stat = path.stat() if path.exists() else None
+        key = None if stat is None else (stat.st_size, stat.st_mtime_ns)
+        if key != self._journal_key:
+            self._journal, self._journal_key = read_erasures(self.config.root), key
+        return self._journal
 
     def _await_dead_letters(self) -> None:
         """Dead letters must be acknowledged before the offsets that carried them are committed."""

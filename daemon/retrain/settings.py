@@ -59,11 +59,11 @@ class DaemonSettings(BaseSettings):
     tenants_file: Path | None = Field(None, validation_alias=_env("tenants_file", "SPECLOOP_TENANTS_FILE"))
     # Unset: the consent audit log beside the consent registry, where `specloop serve` keeps it.
     audit_log: Path | None = Field(None, validation_alias=_env("audit_log", "SPECLOOP_AUDIT_LOG"))
-    trace_retention_days: float | None = Field(30.0, gt=0, validation_alias=_env(
+    trace_retention_days: float | None = Field(30.0, gt=0, le=36_500, validation_alias=_env(
         "trace_retention_days", "SPECLOOP_TRACE_RETENTION_DAYS"))
-    run_retention_days: float | None = Field(30.0, gt=0, validation_alias=_env(
+    run_retention_days: float | None = Field(30.0, gt=0, le=36_500, validation_alias=_env(
         "run_retention_days", "SPECLOOP_DAEMON_RUN_RETENTION_DAYS"))
-    live_tau_retention_days: float | None = Field(30.0, gt=0, validation_alias=_env(
+    live_tau_retention_days: float | None = Field(30.0, gt=0, le=36_500, validation_alias=_env(
         "live_tau_retention_days", "SPECLOOP_DAEMON_LIVE_TAU_RETENTION_DAYS"))
     # A PNG of live τ per drafter version with promotions and rollbacks marked, redrawn every minute.
     plot: Path | None = Field(None, validation_alias=_env("plot", "SPECLOOP_DAEMON_PLOT"))

@@ -111,3 +111,10 @@ def test_an_admin_token_that_is_also_an_api_key_is_refused(tmp_path: Path) -> No
     path = write(tmp_path, f"tenants:\n  - name: acme\n    api_keys: [{key}]\n    admin_token_sha256: [{digest}]\n")
     with pytest.raises(ValueError, match="admin token .* also an API key"):
         parse_tenants(path)
+
+
+def test_retention_days_is_bounded(tmp_path: Path) -> None:
+    path = tmp_path / "tenants.yaml"
+    path.write_text("tenants:\n  - name: acme\n    retention_days: 1.0e12\n")
+    with pytest.raises(ValueError, match="retention_days"):
+        parse_tenants(path)

@@ -54,3 +54,13 @@ def test_nothing_expired_writes_no_audit_entry(tmp_path: Path) -> None:
     retention = Retention(tmp_path / "traces", tmp_path / "runs", live, tmp_path / "audit.jsonl", {}, None, None, None)
     assert retention(now=NOW) is None
     assert not (tmp_path / "audit.jsonl").exists()
+
+
+def test_retention_settings_are_bounded(tmp_path: Path) -> None:
+    import pytest
+    from pydantic import ValidationError
+
+    from specloop.daemon.retrain.settings import DaemonSettings
+
+    with pytest.raises(ValidationError, match="run_retention_days"):
+        DaemonSettings(policy=tmp_path / "p.yaml", registry="sqlite:///x.db", run_retention_days=1e12)
