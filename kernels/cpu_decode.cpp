@@ -1,5 +1,5 @@
-// Small-batch forward passes (bf16, fp32 or NVFP4 weights) of the Llama-family decoder on the CPU, one C++
-// call per pass, written once against the vector layer in simd.h and built once per instruction set
+// Small-batch forward passes (bf16, fp32, NVFP4 or GGUF block weights) of the Llama-family decoder on
+// the CPU, one C++ call per pass, written once against the vector layer in simd.h and built once per instruction set
 // (AVX-512 BF16, AVX2 + FMA, portable); `kernels/cpu_decode.py` picks the build this CPU can run.
 //
 // Why it exists (SmolLM2-135M, 2 cores, one-token decode): the weights are read once per token and
@@ -10,8 +10,9 @@
 // a bf16 decode step fell from 22-26 ms to 8.5-10.5 ms (AVX-512 BF16).
 //
 // What it is: `linear` (y = x W^T + b for up to a few dozen rows), `linear_nvfp4` (the same from NVFP4
-// weights, kernels/nvfp4.py, with int8 activations: see "NVFP4 matrix rows") and `Decoder`, which holds one
-// model's weights and runs rows of tokens through every layer against the model's fp32 KV cache.
+// weights, kernels/nvfp4.py, with int8 activations: see "NVFP4 matrix rows"), `linear_ggml` (from a GGUF
+// file's own Q4_0, Q4_1 and Q8_0 blocks: "GGUF block rows") and `Decoder`, which holds one model's
+// weights and runs rows of tokens through every layer against the model's fp32 KV cache.
 // A DFlash drafter's layers are such a model too: `forward(..., block=true)` runs a draft block and
 // `context` writes the keys/values of its context features.
 // What it is not: prefill of long prompts (oneDNN's blocked GEMM wins there), training (no autograd),
@@ -143,14 +144,31 @@ void check_matrix(const at::Tensor& t, at::ScalarType dtype, const char* name) {
               name, ": expected a contiguous bf16 or fp32 matrix (the model's dtype) with a multiple of 32 columns");
 }
 
-// A weight packed by `pack` (bf16 or fp32) or `pack_nvfp4` (uint8), with its true number of output
-// rows and, for NVFP4, its tensor scale.
+// The formats of GGUF blocks the kernel reads as they are (simd_ggml_x86.h), numbered as ggml's
+// `ggml_type` does, so the Python side passes a GGUF tensor's type id unchanged.
+enum class Ggml : int64_t { NONE = -1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+constexpr int64_t Q_BLOCK = 32;  // weights per GGUF block, along a row
+constexpr int64_t Q_PREFETCH = 4096;
+
+// Bytes per row and block: codes, then fp16 scales (d; d and m for Q4_1), as the file stores them.
+int64_t q_code_bytes(Ggml t) { return t == Ggml::Q8_0 ? 32 : 16; }
+int64_t q_scale_bytes(Ggml t) { return t == Ggml::Q4_1 ? 4 : 2; }
+int64_t q_tile_bytes(Ggml t) { return TILE * (q_code_bytes(t) + q_scale_bytes(t)); }
+
+// A weight packed by `pack` (bf16 or fp32), `pack_nvfp4` or `pack_ggml` (uint8), with its true number
+// of output rows and, for NVFP4, its tensor scale, for GGUF blocks their format.
 struct Packed {
-  at::Tensor tiles;  // [ceil(out / 4), in / V, 4, V], or NVFP4 [ceil(out / 4), in / 64, FP4_TILE_BYTES]
+  at::Tensor tiles;  // [ceil(out / 4), in / V, 4, V], NVFP4 [ceil(out / 4), in / 64, FP4_TILE_BYTES],
+                     // GGUF [ceil(out / 4), in / 32, q_tile_bytes]
   int64_t out = 0;
   float tensor_scale = 0.f;
-  bool fp4() const { return tiles.scalar_type() == at::kByte; }
-  int64_t in() const { return fp4() ? tiles.size(1) * FP4_CHUNK : tiles.size(1) * tiles.size(3); }
+  Ggml ggml = Ggml::NONE;
+  bool quantized() const { return tiles.scalar_type() == at::kByte; }
+  bool fp4() const { return quantized() && ggml == Ggml::NONE; }
+  int64_t in() const {
+    if (!quantized()) return tiles.size(1) * tiles.size(3);
+    return tiles.size(1) * (fp4() ? FP4_CHUNK : Q_BLOCK);
+  }
 };
 
 Packed pack_matrix(const at::Tensor& w) {
@@ -280,17 +298,149 @@ Packed pack_fp4_matrix(const at::Tensor& codes, const at::Tensor& scales, double
   return {at::cat({c, s}, 2).contiguous(), out, static_cast<float>(tensor_scale)};
 }
 
+// ---- GGUF block rows ---------------------------------------------------------------------------
+//
+// Activations meet GGUF blocks as int8, one fp32 scale per block of 32 (amax / 127, rounded to
+// nearest even), with the sum of each 4 consecutive ones for the blocks' offsets; each block's
+// products are then an exact integer sum (simd_ggml_x86.h). Rows are quantized alone, so a token's
+// result does not depend on what else is in its pass.
+//
+// Tiles: per 4-row tile and block, each row's codes as stored, then the rows' fp16 scales (Q4_1: the
+// four d, then the four m), so a tile's block is one sequential read of 72 (Q4_0), 80 (Q4_1) or 136
+// (Q8_0) bytes: 4.5, 5 and 8.5 bits per weight, the file's own bytes.
+
+struct QuantizedQ8 {
+  std::vector<int8_t> q;       // [M, in]
+  std::vector<float> scales;   // [M, in / 32]
+  std::vector<int32_t> sums;   // [M, in / 4]
+};
+
+void prepare_q8_blocks(const float* x, int64_t M, int64_t in, QuantizedQ8& out) {
+  out.q.resize(M * in);
+  out.scales.resize(M * in / Q_BLOCK);
+  out.sums.resize(M * in / 4);
+  for (int64_t b = 0; b < M * in / Q_BLOCK; ++b) {
+    const float* xb = x + b * Q_BLOCK;
+    float amax = 0.f;
+    for (int64_t i = 0; i < Q_BLOCK; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    for (int64_t l = 0; l < Q_BLOCK / 4; ++l) {
+      int32_t lane_sum = 0;
+      for (int64_t i = 4 * l; i < 4 * l + 4; ++i) {
+        const int8_t q = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
+        out.q[b * Q_BLOCK + i] = q;
+        lane_sum += q;
+      }
+      out.sums[b * Q_BLOCK / 4 + l] = lane_sum;
+    }
+    out.scales[b] = amax / 127.f;
+  }
+}
+
+// G rows of quantized activations against one GGUF tile of format T: each tile row's block is
+// decoded once and serves the G rows; one accumulator per (row, output), summed over the blocks in
+// order, so each output is formed the same way whatever G is.
+template <Ggml T, int G>
+void ggml_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* y, int64_t in, int64_t out,
+                    int64_t first) {
+  constexpr bool SIGNED = T == Ggml::Q8_0, MIN = T == Ggml::Q4_1;
+  constexpr int OFFSET = T == Ggml::Q4_0 ? 8 : 0;
+  constexpr int64_t CODES = T == Ggml::Q8_0 ? 32 : 16, SCALES = MIN ? 4 : 2;
+  constexpr int64_t BYTES = TILE * (CODES + SCALES);
+  const int64_t blocks = in / Q_BLOCK;
+  simd::QAcc acc[G][TILE];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < TILE; ++j) acc[g][j] = simd::q_zero();
+  for (int64_t c = 0; c < blocks; ++c) {
+    const uint8_t* wc = tile + c * BYTES;
+    for (int64_t line = 0; line < BYTES; line += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(wc) + Q_PREFETCH + line);
+    alignas(32) float dm[2 * TILE];
+    simd::q_scales(wc + TILE * CODES, dm, MIN ? 2 * TILE : TILE);
+    for (int j = 0; j < TILE; ++j) {
+      const simd::QCodes w = SIGNED ? simd::q8_decode(wc + j * CODES) : simd::q4_decode(wc + j * CODES);
+      for (int g = 0; g < G; ++g) {
+        const int64_t b = (m0 + g) * blocks + c;
+        acc[g][j] = simd::q_madd<SIGNED, OFFSET, MIN>(acc[g][j], w, dm[j], MIN ? dm[TILE + j] : 0.f,
+                                                      x.q.data() + b * Q_BLOCK, x.scales[b], x.sums.data() + b * 8);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < TILE && first + j < out; ++j) y[g * out + first + j] = simd::q_reduce(acc[g][j]);
+}
+
+template <Ggml T>
+void matmul_ggml_as(const float* x, const Packed& w, const float* bias, float* y, int64_t M, QuantizedQ8& xq) {
+  const int64_t in = w.in(), out = w.out, tiles = (out + TILE - 1) / TILE, bytes = (in / Q_BLOCK) * q_tile_bytes(T);
+  prepare_q8_blocks(x, M, in, xq);
+  const uint8_t* base = w.tiles.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t m = 0; m < M; m += simd::ROWS) {
+        float* ym = y + m * out;
+        switch (std::min<int64_t>(simd::ROWS, M - m)) {
+          case 4: ggml_tile_rows<T, 4>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
+          case 3: ggml_tile_rows<T, 3>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
+          case 2: ggml_tile_rows<T, 2>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
+          default: ggml_tile_rows<T, 1>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
+        }
+      }
+    }
+    if (bias != nullptr)
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t o = t0 * TILE; o < std::min(out, t1 * TILE); ++o) y[m * out + o] += bias[o];
+  });
+}
+
+void matmul_ggml(const float* x, const Packed& w, const float* bias, float* y, int64_t M, QuantizedQ8& xq) {
+  switch (w.ggml) {
+    case Ggml::Q4_0: return matmul_ggml_as<Ggml::Q4_0>(x, w, bias, y, M, xq);
+    case Ggml::Q4_1: return matmul_ggml_as<Ggml::Q4_1>(x, w, bias, y, M, xq);
+    case Ggml::Q8_0: return matmul_ggml_as<Ggml::Q8_0>(x, w, bias, y, M, xq);
+    case Ggml::NONE: break;
+  }
+  TORCH_CHECK(false, "not a GGUF block format");
+}
+
+Ggml ggml_format(int64_t type) {
+  TORCH_CHECK(type == int64_t(Ggml::Q4_0) || type == int64_t(Ggml::Q4_1) || type == int64_t(Ggml::Q8_0),
+              "ggml_type: ", type, " is not a block format the kernel reads (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
+  return static_cast<Ggml>(type);
+}
+
+// A GGUF tensor's rows as the file stores them, uint8 [out, in / 32 x block bytes] -> tiles.
+Packed pack_ggml_matrix(const at::Tensor& raw, int64_t type) {
+  const Ggml t = ggml_format(type);
+  const int64_t codes = q_code_bytes(t), scales = q_scale_bytes(t), block = codes + scales;
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous() && raw.size(0) > 0 &&
+                  raw.size(1) > 0 && raw.size(1) % block == 0,
+              "raw: expected contiguous uint8 [out, in / 32 x ", block, "], whole blocks of ", block, " bytes");
+  const int64_t blocks = raw.size(1) / block;
+  const int64_t out = raw.size(0), tiles = (out + TILE - 1) / TILE;
+  auto padded = at::zeros({tiles * TILE, blocks, block}, raw.options());  // rows past `out`: scale 0
+  padded.narrow(0, 0, out).copy_(raw.view({out, blocks, block}));
+  auto by_tile = padded.view({tiles, TILE, blocks, block}).transpose(1, 2);  // [tiles, blocks, 4, block]
+  // A block stores its scales first: d (and m), then the codes.
+  auto c = by_tile.narrow(3, scales, codes).reshape({tiles, blocks, TILE * codes});
+  auto s = by_tile.narrow(3, 0, scales).reshape({tiles, blocks, TILE, scales / 2, 2}).transpose(2, 3)
+               .reshape({tiles, blocks, TILE * scales});  // [d0 d1 d2 d3 (m0 m1 m2 m3)]
+  return {at::cat({c, s}, 2).contiguous(), out, 0.f, t};
+}
+
 // What a pass keeps of its rounded activations between matrices.
 struct Rounded {
   std::vector<simd::XB> bf16;
   Quantized int8;
+  QuantizedQ8 q8;
 };
 
 // fp32 activations x [M, in] against a packed weight. For bf16 weights x is rounded to bf16 first,
-// where the eager path's activations are bf16 too; for NVFP4 weights it is quantized to int8.
+// where the eager path's activations are bf16 too; for NVFP4 and GGUF weights it is quantized to int8.
 void matmul(const float* x, const Packed& w, const float* bias, float* y, int64_t M, Rounded& r) {
   const int64_t in = w.in();
   if (w.fp4()) return matmul_fp4(x, w, bias, y, M, r.int8);
+  if (w.quantized()) return matmul_ggml(x, w, bias, y, M, r.q8);
   if (w.tiles.scalar_type() == at::kFloat) return matmul_rows(x, w.tiles.data_ptr<float>(), bias, y, M, in, w.out);
   r.bf16.resize(M * in);
   simd::prepare_bf16(x, r.bf16.data(), M * in);
@@ -457,6 +607,47 @@ at::Tensor pack_nvfp4(const at::Tensor& codes, const at::Tensor& block_scale) {
   return pack_fp4_matrix(codes, block_scale, 1.0).tiles;
 }
 
+// `pack_ggml` for Python: the tiles of a GGUF tensor's rows as stored (uint8 [out, row bytes]) of
+// ggml type `type`; `linear_ggml` needs them, `out` and the type.
+at::Tensor pack_ggml(const at::Tensor& raw, int64_t type) { return pack_ggml_matrix(raw, type).tiles; }
+
+namespace {
+
+void check_ggml_tiles(const at::Tensor& tiles, int64_t out, Ggml t) {
+  TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.dim() == 3 && tiles.size(2) == q_tile_bytes(t) &&
+                  tiles.is_contiguous() && tiles.size(0) == (out + TILE - 1) / TILE,
+              "tiles: expected the output of pack_ggml() for a weight of this type with `out` rows");
+}
+
+}  // namespace
+
+// What the tiles hold, decoded by the kernel's own code: the codes int8 [out, in] (Q4_*: 0 .. 15 as
+// stored; Q8_0: signed) and the scales d and m fp32 [out, in / 32] (m zero but for Q4_1). Tests
+// rebuild the weights from them as ggml does (d (q - 8), d q + m, d q) and compare bit for bit.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> unpack_ggml(const at::Tensor& tiles, int64_t out, int64_t type) {
+  const Ggml t = ggml_format(type);
+  check_ggml_tiles(tiles, out, t);
+  const int64_t blocks = tiles.size(1), codes = q_code_bytes(t), bytes = q_tile_bytes(t);
+  auto q = at::empty({out, blocks * Q_BLOCK}, tiles.options().dtype(at::kChar));
+  auto d = at::zeros({out, blocks}, tiles.options().dtype(at::kFloat));
+  auto m = at::zeros({out, blocks}, tiles.options().dtype(at::kFloat));
+  const uint8_t* base = tiles.data_ptr<uint8_t>();
+  for (int64_t tile = 0; tile < tiles.size(0); ++tile)
+    for (int64_t c = 0; c < blocks; ++c) {
+      const uint8_t* wc = base + (tile * blocks + c) * bytes;
+      alignas(32) float dm[2 * TILE];
+      simd::q_scales(wc + TILE * codes, dm, t == Ggml::Q4_1 ? 2 * TILE : TILE);
+      for (int64_t j = 0; j < TILE && tile * TILE + j < out; ++j) {
+        const int64_t row = tile * TILE + j;
+        const simd::QCodes w = t == Ggml::Q8_0 ? simd::q8_decode(wc + j * codes) : simd::q4_decode(wc + j * codes);
+        simd::q_store(q.data_ptr<int8_t>() + row * blocks * Q_BLOCK + c * Q_BLOCK, w);
+        d.data_ptr<float>()[row * blocks + c] = dm[j];
+        if (t == Ggml::Q4_1) m.data_ptr<float>()[row * blocks + c] = dm[TILE + j];
+      }
+    }
+  return {q, d, m};
+}
+
 namespace {
 
 // y [..., out] = x w^T + b in x's dtype, computed in fp32 against a packed weight.
@@ -500,26 +691,39 @@ at::Tensor linear_nvfp4(const at::Tensor& x, const at::Tensor& tiles, int64_t ou
   return apply_packed(x, w, bias);
 }
 
+at::Tensor linear_ggml(const at::Tensor& x, const at::Tensor& tiles, int64_t out, int64_t type,
+                       const c10::optional<at::Tensor>& bias) {
+  const Ggml t = ggml_format(type);
+  check_ggml_tiles(tiles, out, t);
+  const Packed w{tiles, out, 0.f, t};
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.size(-1) == w.in(),
+              "x: expected bf16 or fp32 [..., in]");
+  return apply_packed(x, w, bias);
+}
+
 class Decoder {
  public:
   // `layers`: per layer input norm, qkv, qkv bias, q norm, k norm, o, post norm, gate_up, down; a matrix
-  // is dense in the model's dtype, or NVFP4 codes (uint8 [out, in / 2]) whose block scales (E4M3 as
-  // uint8 [out, in / 16]) and tensor scale (fp32, 0-dim) are that layer's pair in `fp4`, in the order
-  // qkv, o, gate_up, down (8 tensors per layer, empty ones for dense matrices; no list: all dense).
+  // is dense in the model's dtype, or uint8: NVFP4 codes [out, in / 2] whose block scales (E4M3 as
+  // uint8 [out, in / 16]) and tensor scale (fp32, 0-dim) are that layer's pair in `quantized`, or the
+  // tiles `pack_ggml` made of a GGUF tensor, whose pair is (its rows, its ggml type), int64 0-dims,
+  // shared, not copied; in the order qkv, o, gate_up, down (8 tensors per layer, empty ones for dense
+  // matrices; no list: all dense).
   Decoder(std::vector<std::vector<at::Tensor>> layers, at::Tensor final_norm, at::Tensor rope_cos,
           at::Tensor rope_sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-          std::vector<std::vector<at::Tensor>> fp4)
+          std::vector<std::vector<at::Tensor>> quantized)
       : final_norm_(final_norm.to(at::kFloat).contiguous()), cos_(rope_cos.contiguous()),
         sin_(rope_sin.contiguous()), dtype_(final_norm.scalar_type()), hq_(num_heads), hkv_(num_kv_heads),
         d_(head_dim), eps_(eps) {
     TORCH_CHECK(cos_.scalar_type() == at::kFloat && cos_.size(1) == d_, "rope tables: expected fp32 [T, D]");
     TORCH_CHECK(hq_ % hkv_ == 0, "heads: bad GQA shape");
     TORCH_CHECK(d_ % 16 == 0 && d_ <= 128, "head_dim: the attention tiles take multiples of 16 up to 128");
-    TORCH_CHECK(fp4.empty() || fp4.size() == layers.size(), "fp4: expected one list per layer, or none");
+    TORCH_CHECK(quantized.empty() || quantized.size() == layers.size(),
+                "quantized: expected one list per layer, or none");
     for (size_t li = 0; li < layers.size(); ++li) {
       const auto& t = layers[li];
       TORCH_CHECK(t.size() == 9, "a layer is 9 tensors");
-      TORCH_CHECK(fp4.empty() || fp4[li].size() == 8, "fp4: a layer's list is 8 tensors");
+      TORCH_CHECK(quantized.empty() || quantized[li].size() == 8, "quantized: a layer's list is 8 tensors");
       // An empty tensor stands for an absent one (no QKV bias, no QK-norm).
       auto f = [](const at::Tensor& x) { return x.numel() > 0 ? x.to(at::kFloat).contiguous() : at::Tensor(); };
       auto matrix = [&](int slot, int k) {
@@ -527,8 +731,16 @@ class Decoder {
           check_matrix(t[slot], dtype_, "layer matrix");
           return pack_matrix(t[slot]);
         }
-        TORCH_CHECK(!fp4.empty() && fp4[li][2 * k + 1].numel() == 1, "fp4: NVFP4 codes without their scales");
-        return pack_fp4_matrix(t[slot], fp4[li][2 * k], fp4[li][2 * k + 1].item<double>());
+        TORCH_CHECK(!quantized.empty() && quantized[li][2 * k + 1].numel() == 1,
+                    "quantized: a uint8 matrix without its scales or format");
+        const at::Tensor& second = quantized[li][2 * k + 1];
+        if (second.scalar_type() == at::kLong) {
+          const int64_t out = quantized[li][2 * k].item<int64_t>();
+          const Ggml type = ggml_format(second.item<int64_t>());
+          check_ggml_tiles(t[slot], out, type);
+          return Packed{t[slot], out, 0.f, type};
+        }
+        return pack_fp4_matrix(t[slot], quantized[li][2 * k], second.item<double>());
       };
       layers_.push_back({f(t[0]), f(t[2]), f(t[3]), f(t[4]), f(t[6]), matrix(1, 0), matrix(5, 1), matrix(7, 2),
                          matrix(8, 3)});
@@ -589,7 +801,8 @@ class Decoder {
     for (int64_t li = 0; li < (int64_t)layers_.size(); ++li) {
       const Layer& l = layers_[li];
       // The key and value rows of the packed [q | k | v] matrix: whole tiles, since q_size % 4 == 0.
-      const Packed w{l.qkv.tiles.narrow(0, q_tiles, l.qkv.tiles.size(0) - q_tiles), 2 * kv_size};
+      const Packed w{l.qkv.tiles.narrow(0, q_tiles, l.qkv.tiles.size(0) - q_tiles), 2 * kv_size, l.qkv.tensor_scale,
+                     l.qkv.ggml};
       matmul(f32(xf), w, l.qkv_bias.defined() ? f32(l.qkv_bias) + hq_ * d_ : nullptr, kv.data(), M, rounded);
       float* kbase = k_cache.data_ptr<float>() + li * S * hkv_ * T * d_;
       float* vbase = v_cache.data_ptr<float>() + li * S * hkv_ * T * d_;
@@ -734,6 +947,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_nvfp4", &linear_nvfp4, "y = x w^T + b for a few rows, w given as pack_nvfp4(w), out, tensor scale",
         pybind11::arg("x"), pybind11::arg("tiles"), pybind11::arg("out"), pybind11::arg("tensor_scale"),
         pybind11::arg("bias") = pybind11::none());
+  m.def("pack_ggml", &pack_ggml, "a GGUF tensor's rows as stored, uint8 [out, row bytes], of ggml type `type` -> tiles",
+        pybind11::arg("raw"), pybind11::arg("type"));
+  m.def("linear_ggml", &linear_ggml, "y = x w^T + b for a few rows, w given as pack_ggml(w), out, its ggml type",
+        pybind11::arg("x"), pybind11::arg("tiles"), pybind11::arg("out"), pybind11::arg("type"),
+        pybind11::arg("bias") = pybind11::none());
+  m.def("unpack_ggml", &unpack_ggml, "pack_ggml's tiles decoded: codes int8 [out, in], d and m fp32 [out, in / 32]",
+        pybind11::arg("tiles"), pybind11::arg("out"), pybind11::arg("type"));
   m.def("linear", &linear, "y = x w^T + b for a few rows, w given as pack(w) and out", pybind11::arg("x"),
         pybind11::arg("tiles"), pybind11::arg("out"), pybind11::arg("bias") = pybind11::none());
   // module_local: every build defines its own `Decoder`, and two builds may be loaded in one process.
@@ -742,7 +962,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           int64_t, double, std::vector<std::vector<at::Tensor>>>(),
            pybind11::arg("layers"), pybind11::arg("final_norm"), pybind11::arg("rope_cos"), pybind11::arg("rope_sin"),
            pybind11::arg("num_heads"), pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"),
-           pybind11::arg("fp4") = std::vector<std::vector<at::Tensor>>())
+           pybind11::arg("quantized") = std::vector<std::vector<at::Tensor>>())
       .def("forward", &Decoder::forward, pybind11::arg("x"), pybind11::arg("slots"), pybind11::arg("positions"),
            pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("taps"), pybind11::arg("block") = false)
       .def("context", &Decoder::context);

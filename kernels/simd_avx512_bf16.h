@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include "simd_fp4_x86.h"
+#include "simd_ggml_x86.h"
 
 namespace simd {
 

@@ -110,4 +110,61 @@ inline float fp4_reduce(Fp4Acc x) {
   return reduce(v);
 }
 
+// GGUF blocks as on x86 (simd_ggml_x86.h): codes in element order, exact integer sums per lane of 4
+// elements, the offset or minimum through the activations' lane sums.
+using QAcc = Fp4Acc;
+struct QCodes {
+  int8_t q[32];  // Q4_*: 0 .. 15; Q8_0: as stored
+};
+
+inline QAcc q_zero() { return {}; }
+
+// fp16 -> fp32, exactly: normals and subnormals by their value, infinities and NaN kept.
+inline float from_fp16(uint16_t h) {
+  const int e = (h >> 10) & 0x1F, m = h & 0x3FF;
+  const float magnitude = e == 0 ? std::ldexp(static_cast<float>(m), -24)
+                          : e == 31 ? (m ? NAN : INFINITY)
+                                    : std::ldexp(1.0f + m / 1024.0f, e - 15);
+  return h & 0x8000 ? -magnitude : magnitude;
+}
+
+inline void q_scales(const uint8_t* half, float* out, int n) {
+  for (int i = 0; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, half + 2 * i, 2);
+    out[i] = from_fp16(h);
+  }
+}
+
+inline QCodes q4_decode(const uint8_t* qs) {
+  QCodes w;
+  for (int i = 0; i < 16; ++i) {
+    w.q[i] = static_cast<int8_t>(qs[i] & 0xF);
+    w.q[i + 16] = static_cast<int8_t>(qs[i] >> 4);
+  }
+  return w;
+}
+
+inline QCodes q8_decode(const uint8_t* qs) {
+  QCodes w;
+  std::memcpy(w.q, qs, 32);
+  return w;
+}
+
+inline void q_store(int8_t* out, const QCodes& w) { std::memcpy(out, w.q, 32); }
+
+template <bool SIGNED, int OFFSET, bool MIN>
+inline QAcc q_madd(QAcc acc, const QCodes& w, float d, float m, const int8_t* xq, float xs, const int32_t* xo) {
+  for (int l = 0; l < 8; ++l) {
+    int32_t s = 0;
+    for (int i = 4 * l; i < 4 * l + 4; ++i) s += static_cast<int32_t>(w.q[i]) * xq[i];
+    if constexpr (OFFSET != 0) s -= OFFSET * xo[l];
+    if constexpr (MIN) acc.v[l] += static_cast<float>(xo[l]) * (m * xs);
+    acc.v[l] += static_cast<float>(s) * (d * xs);
+  }
+  return acc;
+}
+
+inline float q_reduce(QAcc x) { return fp4_reduce(x); }
+
 }  // namespace simd

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from specloop.engine.model.config import ModelConfig
+from specloop.engine.model.gguf_linear import GgufLinear
 from specloop.engine.model.kv_cache import AttnBatch, KVCache
 from specloop.kernels.cpu_decode import load
 from specloop.kernels.nvfp4 import NVFP4Weight
@@ -45,8 +46,11 @@ _MATRICES = ("attn.qkv", "attn.o", "mlp.gate_up", "mlp.down")  # a layer's, in t
 
 
 def _matrix(module: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """What the kernel's `Decoder` takes for one matrix: the dense weight, or NVFP4 codes with
-    (block scales as bytes, tensor scale); see `kernels/cpu_decode.cpp`."""
+    """What the kernel's `Decoder` takes for one matrix: the dense weight, NVFP4 codes with (block
+    scales as bytes, tensor scale), or a `GgufLinear`'s tiles with (rows, ggml type); see
+    `kernels/cpu_decode.cpp`."""
+    if isinstance(module, GgufLinear):
+        return module.tiles, [torch.tensor(module.out_features), torch.tensor(module.ggml_type)]
     q: NVFP4Weight | None = getattr(module, "q", None)
     if q is None:
         return module.weight, [torch.empty(0), torch.empty(0)]
@@ -59,7 +63,7 @@ class FusedDecoder:
     def __init__(self, kernel: object, model: torch.nn.Module) -> None:
         c = model.config
         empty = torch.empty(0)
-        layers, fp4 = [], []
+        layers, quantized = [], []
         for layer in model.layers:
             a = layer.attn
             (qkv, qkv4), (o, o4), (gate_up, gate_up4), (down, down4) = (
@@ -69,9 +73,9 @@ class FusedDecoder:
                 a.q_norm.weight if a.q_norm is not None else empty, a.k_norm.weight if a.k_norm is not None else empty,
                 o, layer.post_norm.weight, gate_up, down,
             ])
-            fp4.append(qkv4 + o4 + gate_up4 + down4)
+            quantized.append(qkv4 + o4 + gate_up4 + down4)
         self.decoder = kernel.Decoder(layers, model.norm.weight, model.rope_cos.float(), model.rope_sin.float(),
-                                      c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, fp4)
+                                      c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, quantized)
         self.isa = kernel.isa  # the build it runs on (kernels/cpu_features.py)
 
     @staticmethod

@@ -10,6 +10,9 @@ The tokenizer is rebuilt from metadata (`tokenizer.ggml.*`) as a byte-level BPE 
 object; the pre-tokenizer is chosen from `tokenizer.ggml.pre`, and an unknown one is refused rather
 than guessed, since a wrong split silently changes token ids.
 
+`read_gguf_blocks` reads the quantized tensors again as stored, for `--weights gguf`, which serves
+them as they are (`engine/model/gguf_linear.py`).
+
 This file does not build the model or choose its dtype (`load.py` does).
 """
 
@@ -28,6 +31,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from specloop.engine.loaders.stored_model import StoredModel
 from specloop.engine.model.config import ModelConfig, RopeScaling
 from specloop.engine.model.fingerprint import weights_digest
+from specloop.engine.model.gguf_linear import BLOCK_FORMATS, GgufBlocks
 from specloop.engine.model.tokenizer import Tokenizer
 
 _ARCHS = ("llama", "qwen2", "qwen3")
@@ -98,6 +102,19 @@ def read_gguf(path: Path) -> StoredModel:
     return StoredModel(config, weights, tokenizer, digest, served_name(path))
 
 
+def read_gguf_blocks(path: Path, config: ModelConfig) -> dict[str, GgufBlocks]:
+    """The file's weights in the block formats the CPU kernel reads (`engine/model/gguf_linear.py`), as
+    stored, by Hugging Face name; q/k rows back in rotate-half order as `read_gguf` puts them, whole
+    rows moved, so each row's blocks are untouched. Tensors in other formats are not in it."""
+    blocks = {}
+    for t in GGUFReader(path).tensors:
+        if int(t.tensor_type) not in BLOCK_FORMATS:
+            continue
+        raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # [out, row bytes], copied off the map
+        blocks[_hf_name(t.name)] = GgufBlocks(int(t.tensor_type), _unpermute_qk(t.name, raw, config))
+    return blocks
+
+
 def served_name(path: Path) -> str:
     """`SmolLM2-135M-Instruct.Q4_1.gguf` -> `SmolLM2-135M-Instruct`: the quantization suffix is dropped."""
     return re.sub(r"[.-](I?Q\d\w*|BF16|F16|F32)$", "", path.stem, flags=re.IGNORECASE)
@@ -165,7 +182,7 @@ def _weights(tensors: list[ReaderTensor], config: ModelConfig, file_name: str) -
     # numpy's dequantization releases the GIL; two threads cut SmolLM2's 2.2 s roughly in half.
     with ThreadPoolExecutor(max_workers=max(1, min(8, torch.get_num_threads()))) as pool:
         arrays = pool.map(lambda t: dequantize(t.data, t.tensor_type), tensors)
-        weights = {_hf_name(t.name): _unpermute_qk(t.name, a, config) for t, a in zip(tensors, arrays)}
+        weights = {_hf_name(t.name): _dense(t.name, a, config) for t, a in zip(tensors, arrays)}
     return weights
 
 
@@ -176,10 +193,13 @@ def _hf_name(gguf_name: str) -> str:
     return name
 
 
-def _unpermute_qk(gguf_name: str, array: np.ndarray, config: ModelConfig) -> torch.Tensor:
+def _dense(gguf_name: str, array: np.ndarray, config: ModelConfig) -> torch.Tensor:
     if not array.flags.writeable:
         array = array.copy()  # F32 tensors come back as read-only views of the memory-mapped file
-    weight = torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+    return _unpermute_qk(gguf_name, torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)), config)
+
+
+def _unpermute_qk(gguf_name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     if config.arch != "llama":
         return weight
     if ".attn_q." in gguf_name:

@@ -5,28 +5,41 @@ This is the one place that picks the loader, checks dtype, casts and moves weigh
 and the one place that says which device is the default. It is not a loader itself (see `hf.py`,
 `gguf.py`) and it knows nothing about serving.
 
-`WeightFormat("nvfp4", ...)` serves NVFP4 weights (`engine/model/nvfp4_linear.py`,
-`engine/model/nvfp4_embedding.py`): an NVFP4 checkpoint's own, or a dense model's quantized on load
-(`quantize.py`), which is the same model as the checkpoint `specloop quantize` writes from it,
-fingerprint included. The dense weights (`WeightFormat()`) of an NVFP4 checkpoint are its
+`WeightFormat("gguf")` serves a GGUF file's quantized tensors from their own blocks
+(`engine/model/gguf_linear.py`), under the file's fingerprint. `WeightFormat("nvfp4", ...)` serves
+NVFP4 weights (`engine/model/nvfp4_linear.py`, `engine/model/nvfp4_embedding.py`): an NVFP4
+checkpoint's own, or a dense model's quantized on load (`quantize.py`), which is the same model as
+the checkpoint `specloop quantize` writes from it, fingerprint included. The dense weights (`WeightFormat()`) of an NVFP4 checkpoint are its
 dequantized weights in ordinary layers, still under its NVFP4 fingerprint.
 """
 
 import importlib.util
+import logging
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
 from specloop.engine.cpu.linear import optimize_for_cpu_inference
-from specloop.engine.loaders.gguf import read_gguf
+from specloop.engine.loaders.gguf import read_gguf, read_gguf_blocks
 from specloop.engine.loaders.hf import read_hf_dir
-from specloop.engine.loaders.quantize import fuse_for_transformer, quantized_stored_model
+from specloop.engine.loaders.quantize import (
+    EMBEDDING,
+    LM_HEAD,
+    fuse_for_transformer,
+    fusion_groups,
+    quantized_stored_model,
+)
 from specloop.engine.loaders.stored_model import StoredModel
 from specloop.engine.loaders.weight_format import DENSE, WeightFormat
+from specloop.engine.model.gguf_linear import GgufBlocks, apply_gguf, stack
 from specloop.engine.model.nvfp4_linear import apply_nvfp4
 from specloop.engine.model.tokenizer import Tokenizer
 from specloop.engine.model.transformer import Transformer
+from specloop.kernels.cpu_decode import load as load_kernel
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -84,6 +97,11 @@ def load_model(source: str | Path | None, dtype: torch.dtype, device: torch.devi
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype: {dtype} is not supported (use torch.float32 or torch.bfloat16)")
     path, stored = read_stored_model(source)
+    if weights.kind == "gguf":
+        blocks, kernel = gguf_modules(path, stored, device), gguf_kernel()
+        model = build_model(stored, dtype, device)
+        apply_gguf(model, blocks, kernel)
+        return LoadedModel(model, stored.tokenizer, stored.fingerprint, stored.name, path, None, weights)
     if weights.kind == "nvfp4":
         stored = quantized_stored_model(stored, weights.lm_head, weights.embedding)
     model = build_model(stored, dtype, device)
@@ -94,6 +112,36 @@ def load_model(source: str | Path | None, dtype: torch.dtype, device: torch.devi
         apply_nvfp4(model, modules)
     return LoadedModel(model, stored.tokenizer, stored.fingerprint, stored.name, path, stored.source_fingerprint,
                        weights)
+
+
+def gguf_modules(path: Path, stored: StoredModel, device: torch.device) -> dict[str, GgufBlocks]:
+    """The GGUF blocks of each linear module of `stored` (a GGUF file) whose parts are all in a block
+    format the kernel reads; the others stay dense, named in a warning."""
+    if path.suffix != ".gguf":
+        raise ValueError(f"weights: 'gguf' serves a GGUF file's own blocks, and {path.name} is not a .gguf file")
+    if device.type != "cpu":
+        raise ValueError(f"weights: 'gguf' runs on the CPU kernels only, not on {device}")
+    blocks = read_gguf_blocks(path, stored.config)
+    sources = {LM_HEAD: EMBEDDING} if stored.config.tie_word_embeddings else {}
+    modules, dense = {}, []
+    for module, names in fusion_groups(stored.config, lm_head=True):
+        parts = [blocks.get(sources.get(n, n)) for n in names]
+        if all(p is not None for p in parts):
+            modules[module] = stack(parts)
+        else:
+            dense.append(module)
+    if dense:
+        log.warning("weights 'gguf': %d of %d linear modules are not in Q4_0, Q4_1 or Q8_0 and stay dense: %s",
+                    len(dense), len(dense) + len(modules), ", ".join(dense[:5]))
+    return modules
+
+
+def gguf_kernel() -> ModuleType:
+    """The CPU kernels' build, which `weights="gguf"` cannot do without."""
+    kernel = load_kernel()
+    if kernel is None:
+        raise ValueError("weights: 'gguf' needs the C++ CPU kernels, which did not build here (see the log)")
+    return kernel
 
 
 def build_model(stored: StoredModel, dtype: torch.dtype, device: torch.device) -> Transformer:

@@ -1,7 +1,10 @@
 """How the served target holds its weights: the one choice that `--weights`, `--nvfp4-lm-head` and
 `--nvfp4-embedding` make, checked once, in the form every command that loads a target passes on.
 
-`dense` serves the weights as stored. `nvfp4` serves every attention and MLP projection from NVFP4
+`dense` serves the weights as stored, dequantized to the model's dtype where the file is a quantized
+GGUF. `gguf` serves a GGUF file's Q4_0, Q4_1 and Q8_0 tensors as they are, from the CPU kernel's tiles
+of their blocks (`engine/model/gguf_linear.py`), and its other tensors densely: the same model as the
+file, so the same fingerprint as `dense`. `nvfp4` serves every attention and MLP projection from NVFP4
 (`kernels/nvfp4.py`), and the LM head and the token embedding each from NVFP4 or densely, as asked:
 the head is a GEMM like the projections (on the CPU one decode step streams its 28M weights, as
 many as 8 of SmolLM2's 30 layers), the embedding is a lookup of one row per token, so quantizing
@@ -15,7 +18,7 @@ does not quantize or load (`quantize.py`, `load.py`).
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-WeightKind = Literal["dense", "nvfp4"]
+WeightKind = Literal["dense", "gguf", "nvfp4"]
 WEIGHT_KINDS: tuple[str, ...] = get_args(WeightKind)
 
 
@@ -28,7 +31,7 @@ class WeightFormat:
     def __post_init__(self) -> None:
         if self.kind not in WEIGHT_KINDS:
             raise ValueError(f"weights: {self.kind!r} is not one of {', '.join(WEIGHT_KINDS)}")
-        if self.kind == "dense":
+        if self.kind != "nvfp4":
             for field, part, asked in (("nvfp4_lm_head", "LM head", self.lm_head),
                                        ("nvfp4_embedding", "embedding", self.embedding)):
                 if asked:
@@ -41,7 +44,7 @@ class WeightFormat:
 
     def card(self) -> dict[str, object]:
         """The fields `/v1/models` and result files show: the kind, and with NVFP4 which parts are."""
-        if self.kind == "dense":
+        if self.kind != "nvfp4":
             return {"weights": self.kind}
         return {"weights": self.kind, "nvfp4_lm_head": self.lm_head, "nvfp4_embedding": self.embedding}
 

@@ -366,7 +366,7 @@ class ModelCard(BaseModel):
     fingerprint: str  # extension: docs/architecture.md, "Base-model fingerprint"
     max_model_len: int
     drafter_version: str | None = None  # extension: the drafter new requests draft with (None: none learned)
-    weights: Literal["dense", "nvfp4"] = "dense"  # extension: how the served layers hold their weights
+    weights: Literal["dense", "gguf", "nvfp4"] = "dense"  # extension: how the served layers hold their weights
     nvfp4_lm_head: bool | None = None  # extension, with weights "nvfp4": whether the LM head is NVFP4 too
     nvfp4_embedding: bool | None = None  # extension, with weights "nvfp4": whether the embedding is NVFP4 too
     quantized_from: str | None = None  # extension: the fingerprint of the model an NVFP4 one was quantized from

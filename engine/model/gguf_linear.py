@@ -1,0 +1,96 @@
+"""GGUF block weights in a `Transformer`: linear layers served from a GGUF file's own Q4_0, Q4_1 and
+Q8_0 blocks by the C++ kernel (`linear_ggml` in `kernels/cpu_decode.cpp`), on the CPU.
+
+`apply_gguf(model, blocks)` replaces the named `nn.Linear` modules (module paths as
+`Transformer.named_modules` gives them: `layers.0.attn.qkv`, `lm_head`, ...) by `GgufLinear`s holding
+the kernel's tiles of those blocks: the file's bytes reordered, 4.5 (Q4_0), 5 (Q4_1) or 8.5 (Q8_0)
+bits per weight, and nothing else. No dense copy is kept: every pass, prefill chunks included, runs
+from the tiles. A fused module (qkv, gate_up) stacks the rows of its parts, which must share one
+format. `weight` dequantizes on each read (the drafter's trimmed head reads it once).
+
+This is the same model as the file (ggml computes with the same blocks and int8 activations), so it
+keeps the file's base-model fingerprint (`engine/model/fingerprint.py`), unlike NVFP4. It is not
+the file reader (`engine/loaders/gguf.py`) and not the kernel.
+"""
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+from torch import nn
+
+# ggml type id -> (name, bytes per block of 32 weights): the block formats the kernel reads.
+BLOCK_FORMATS = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
+BLOCK = 32  # weights per block, along a row
+
+
+@dataclass(frozen=True)
+class GgufBlocks:
+    """A weight `[out, in]` as a GGUF file stores it: rows of blocks, `raw` uint8 `[out, in / 32 x bytes]`."""
+
+    ggml_type: int
+    raw: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.ggml_type not in BLOCK_FORMATS:
+            raise ValueError(f"ggml_type: {self.ggml_type} is not a block format the kernel reads "
+                             f"({', '.join(f'{n} = {t}' for t, (n, _) in BLOCK_FORMATS.items())})")
+        block_bytes = BLOCK_FORMATS[self.ggml_type][1]
+        if self.raw.dtype != torch.uint8 or self.raw.ndim != 2 or self.raw.shape[1] % block_bytes:
+            raise ValueError(f"raw: expected uint8 [out, in / 32 x {block_bytes}], got {self.raw.dtype} "
+                             f"{tuple(self.raw.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.raw.shape[0], self.raw.shape[1] // BLOCK_FORMATS[self.ggml_type][1] * BLOCK
+
+    @property
+    def format(self) -> str:
+        return BLOCK_FORMATS[self.ggml_type][0]
+
+
+def stack(parts: list[GgufBlocks]) -> GgufBlocks:
+    """The rows of `parts` as one weight (a fused module's); they must share a format."""
+    formats = {p.ggml_type for p in parts}
+    if len(formats) != 1:
+        raise ValueError(f"a fused layer's parts are in {sorted(BLOCK_FORMATS[t][0] for t in formats)}: "
+                         "the kernel takes one format per matrix")
+    return GgufBlocks(parts[0].ggml_type, torch.cat([p.raw for p in parts]).contiguous())
+
+
+class GgufLinear(nn.Module):
+    """A frozen linear layer computed from GGUF blocks by `kernel`; `tiles` is all it holds of them."""
+
+    def __init__(self, blocks: GgufBlocks, bias: torch.Tensor | None, dtype: torch.dtype, kernel: ModuleType) -> None:
+        super().__init__()
+        self.kernel, self.ggml_type, self.dtype = kernel, blocks.ggml_type, dtype
+        self.out_features, self.in_features = blocks.shape
+        self.register_buffer("tiles", kernel.pack_ggml(blocks.raw, blocks.ggml_type), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight `[out, in]` in the layer's dtype, made on each read."""
+        q, d, m = self.kernel.unpack_ggml(self.tiles, self.out_features, self.ggml_type)
+        codes = q.float().view(self.out_features, -1, BLOCK)  # [out, in / 32, 32]
+        d, m = d.unsqueeze(-1), m.unsqueeze(-1)
+        w = {2: lambda: d * (codes - 8), 3: lambda: d * codes + m, 8: lambda: d * codes}[self.ggml_type]()
+        return w.view(self.out_features, self.in_features).to(self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel.linear_ggml(x, self.tiles, self.out_features, self.ggml_type, self.bias)
+
+
+def apply_gguf(model: nn.Module, blocks: dict[str, GgufBlocks], kernel: ModuleType) -> None:
+    """Replace each named linear module by a `GgufLinear` of its blocks, in place."""
+    modules = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    unknown = sorted(set(blocks) - set(modules))
+    if unknown:
+        raise ValueError(f"GGUF blocks for modules the model does not have: {unknown[:5]}")
+    for name, b in blocks.items():
+        old = modules[name]
+        if b.shape != tuple(old.weight.shape):
+            raise ValueError(f"{name}: GGUF blocks {b.shape} do not match the module's {tuple(old.weight.shape)}")
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, GgufLinear(b, old.bias, old.weight.dtype, kernel))

@@ -1,0 +1,79 @@
+// The x86 pieces of the kernels' vector layer (contract in simd.h) for GGUF's block formats Q4_0,
+// Q4_1 and Q8_0, shared by the AVX2 and the AVX-512 BF16 builds: 256-bit integer dot products, which
+// both have (as for NVFP4, simd_fp4_x86.h).
+//
+// A GGUF block is 32 weights along a row with fp16 scales: Q4_0 w = d (q - 8), Q4_1 w = d q + m
+// (q = 0 .. 15, elements 0-15 in the low nibbles of its 16 bytes, 16-31 in the high ones), Q8_0
+// w = d q (q int8). Activations meet them as int8, one fp32 scale per 32 (the block), as llama.cpp's
+// Q8_0/Q8_1 activations do. The 4-bit codes become 32 unsigned bytes in element order (a mask and a
+// shift), so VPMADDUBSW and VPMADDWD leave in 32-bit lane l the exact integer sum over elements
+// 4 l .. 4 l + 3; Q4_0's -8 and Q4_1's m reach the sum through the activations' lane sums, which the
+// activations bring precomputed; Q8_0's signed weights take the sign trick (|w| times x with w's
+// sign). One fp32 FMA per lane then applies d x activation scale, another m x activation scale
+// for Q4_1. The fp16 scales of a tile's four rows become fp32 in one VCVTPH2PS.
+
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace simd {
+
+using QAcc = __m256;
+using QCodes = __m256i;  // one row's 32 codes of a block: unsigned (Q4_*) or signed (Q8_0) bytes
+
+inline QAcc q_zero() { return _mm256_setzero_ps(); }
+
+// n (4 or 8) fp16 scales -> fp32, exactly.
+inline void q_scales(const uint8_t* half, float* out, int n) {
+  if (n == 8) {
+    _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(half))));
+  } else {
+    _mm_storeu_ps(out, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(half))));
+  }
+}
+
+// 16 bytes of nibbles -> [low nibbles (elements 0-15) | high nibbles (16-31)].
+inline QCodes q4_decode(const uint8_t* qs) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), nibble), _mm_and_si128(raw, nibble));
+}
+
+inline QCodes q8_decode(const uint8_t* qs) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)); }
+
+inline void q_store(int8_t* out, QCodes q) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), q); }
+
+// Lane l: the exact integer sum of w x over elements 4 l .. 4 l + 3 of a block; w unsigned (<= 15
+// for Q4, so a pair is at most 2 x 15 x 127, inside int16) or signed (Q8_0: |w| <= 128, a pair at
+// most 2 x 128 x 127 = 32,512, inside int16 too).
+template <bool SIGNED>
+inline __m256i q_lanes(QCodes w, const int8_t* xq) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+  const __m256i pairs = SIGNED ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
+                               : _mm256_maddubs_epi16(w, x);
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+// acc + one row's block against int8 activations xq [32] with scale xs and lane sums xo [8] (lane l:
+// the sum of activations 4 l .. 4 l + 3): Q4_0 (OFFSET 8) adds d xs (sum w x - 8 sum x), Q4_1 (MIN)
+// d xs sum w x + m xs sum x, Q8_0 (SIGNED) d xs sum w x, lane by lane.
+template <bool SIGNED, int OFFSET, bool MIN>
+inline QAcc q_madd(QAcc acc, QCodes w, float d, float m, const int8_t* xq, float xs, const int32_t* xo) {
+  __m256i sums = q_lanes<SIGNED>(w, xq);
+  if constexpr (OFFSET != 0 || MIN) {
+    const __m256i lane_x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xo));
+    if constexpr (OFFSET != 0) sums = _mm256_sub_epi32(sums, _mm256_mullo_epi32(lane_x, _mm256_set1_epi32(OFFSET)));
+    if constexpr (MIN) acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lane_x), _mm256_set1_ps(m * xs), acc);
+  }
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d * xs), acc);
+}
+
+inline float q_reduce(QAcc x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+}  // namespace simd

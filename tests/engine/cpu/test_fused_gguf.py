@@ -1,0 +1,164 @@
+"""A target served from GGUF blocks (`--weights gguf`): the C++ decoder and the layers against the eager
+fp32 model of the same dequantized weights, rows and blocks independent of their batch bit for bit,
+greedy speculation token-identical to plain decoding, and the real SmolLM2 GGUF served from its own
+Q4_1 and Q8_0 blocks under the file's fingerprint. Kernel tests run once per build this CPU executes."""
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from specloop.engine.cpu.linear import optimize_for_cpu_inference
+from specloop.engine.loaders.load import load_for_inference, load_model
+from specloop.engine.loaders.weight_format import WeightFormat
+from specloop.engine.model.gguf_linear import GgufBlocks, GgufLinear, apply_gguf, stack
+from specloop.engine.model.kv_cache import AttnBatch, KVCache
+from specloop.engine.model.nvfp4_linear import linear_modules
+from specloop.engine.model.transformer import Transformer
+from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
+from specloop.engine.runtime.sampler import SamplingParams
+from specloop.engine.speculation.dflash_proposer import DFlashProposer
+from specloop.engine.speculation.ngram import NgramProposer
+from specloop.kernels.cpu_decode import cpu_plan, load
+from tests.dflash_helpers import tiny_drafter, tiny_target
+
+MAX_LEN = 64
+CPU = torch.device("cpu")
+TOLERANCE = 2e-2  # of the reference's largest magnitude: int8 activations through two layers, as for NVFP4
+FORMATS = {"attn.qkv": GGMLQuantizationType.Q4_1, "attn.o": GGMLQuantizationType.Q4_0,
+           "mlp": GGMLQuantizationType.Q4_1, "lm_head": GGMLQuantizationType.Q8_0}
+
+
+def to_gguf(model: Transformer) -> tuple[Transformer, Transformer]:
+    """`model` with every linear layer in GGUF blocks (Q4_1, Q4_0 and a Q8_0 head, as files mix them),
+    optimised for the CPU, and an eager fp32 copy holding the blocks' dequantized weights."""
+    reference = copy.deepcopy(model).float()
+    blocks = {}
+    for name, module in linear_modules(model).items():
+        qtype = next(t for key, t in FORMATS.items() if key in name)
+        raw = quantize(module.weight.detach().float().numpy(), qtype)
+        blocks[name] = GgufBlocks(int(qtype), torch.from_numpy(np.ascontiguousarray(raw)))
+        # A new parameter, so that a tied head does not change the reference's embedding.
+        reference.get_submodule(name).weight = torch.nn.Parameter(torch.from_numpy(dequantize(raw, qtype)),
+                                                                  requires_grad=False)
+    apply_gguf(model, blocks, load())
+    fused = optimize_for_cpu_inference(model)
+    assert fused.fused_decoder is not None and fused.fused_decoder.isa == cpu_plan().isa
+    return fused, reference
+
+
+@pytest.mark.usefixtures("kernel_isa")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_gguf_matches_the_eager_model(tiny_llama_dir: Path, dtype: torch.dtype) -> None:
+    fused, reference = to_gguf(load_model(tiny_llama_dir, dtype, CPU).model)
+    tokens = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(0))
+    # A 40-token prefill (past the fused pass's 32 rows: the layers' own kernel calls), then decode steps.
+    passes = [([1, 0], [0, 0], 38), ([1, 0], [38, 38], 1), ([0, 1], [39, 39], 1)]
+    caches = {id(m): KVCache(m.config, 2, MAX_LEN, torch.float32, CPU) for m in (fused, reference)}
+    with torch.inference_mode():
+        for slots, starts, n in passes:
+            batch = AttnBatch.build(slots, starts, n, CPU, MAX_LEN)
+            x = tokens[:, starts[0]:starts[0] + n]
+            (got, _), (want, _) = (m(x, caches[id(m)], batch) for m in (fused, reference))
+            assert (got.float() - want).abs().max() <= TOLERANCE * want.abs().max()
+            got_logits, want_logits = fused.logits(got), reference.logits(want)
+            assert (got_logits - want_logits).abs().max() <= TOLERANCE * want_logits.abs().max()
+
+
+@pytest.mark.usefixtures("kernel_isa")
+def test_a_token_does_not_depend_on_its_batch_or_block(tiny_llama_dir: Path) -> None:
+    model, _ = to_gguf(load_model(tiny_llama_dir, torch.float32, CPU).model)
+    tokens = torch.randint(0, 300, (2, 14), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        caches = [KVCache(model.config, 2, MAX_LEN, torch.float32, CPU) for _ in range(2)]
+        for cache in caches:
+            model(tokens[:, :8], cache, AttnBatch.build([0, 1], [0, 0], 8, CPU, MAX_LEN))
+        block, _ = model(tokens[:, 8:], caches[0], AttnBatch.build([0, 1], [8, 8], 6, CPU, MAX_LEN))
+        alone = [model(tokens[:1, p:p + 1], caches[1], AttnBatch.build([0], [p], 1, CPU, MAX_LEN))[0]
+                 for p in range(8, 14)]
+    assert torch.equal(block[:1], torch.cat(alone, dim=1))
+    head_rows = model.logits(block.reshape(-1, block.shape[-1]))
+    assert torch.equal(head_rows[:1], model.logits(block[0, :1]))
+
+
+@pytest.mark.usefixtures("kernel_isa")
+def test_greedy_speculation_is_lossless(tiny_llama_dir: Path) -> None:
+    model, _ = to_gguf(load_model(tiny_llama_dir, torch.bfloat16, CPU).model)
+    g = torch.Generator().manual_seed(2)
+    prompts = [(torch.randint(0, 300, (4,), generator=g).tolist() * 4)[:14] for _ in range(3)]
+    greedy = SamplingParams(max_tokens=20, temperature=0.0)
+    plain = [s.output_ids for s in LLMEngine(model, EngineConfig(num_slots=3, max_len=MAX_LEN), []).generate(
+        prompts, greedy)]
+    spec = LLMEngine(model, EngineConfig(num_slots=3, max_len=MAX_LEN), [], proposer=NgramProposer(block_size=4))
+    out = spec.generate(prompts, greedy)
+    assert [s.output_ids for s in out] == plain
+    assert sum(s.spec.accepted_tokens for s in out) > 0
+
+
+def test_greedy_dflash_speculation_is_lossless_on_a_gguf_target() -> None:
+    target, _ = to_gguf(tiny_target(hidden=64).requires_grad_(False))
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (9, 17, 4)]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    plain = [s.output_ids for s in LLMEngine(target, EngineConfig(num_slots=3, max_len=MAX_LEN), []).generate(
+        prompts, greedy)]
+    proposer = DFlashProposer(tiny_drafter(target, block_size=4, num_layers=2), target)
+    out = LLMEngine(target, EngineConfig(num_slots=3, max_len=MAX_LEN), [], proposer=proposer).generate(prompts, greedy)
+    assert [s.output_ids for s in out] == plain
+    assert proposer.fused is not None and sum(s.spec.drafts for s in out) > 0
+
+
+def test_the_weight_reads_back_as_the_blocks_dequantized() -> None:
+    raw = quantize(np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32), GGMLQuantizationType.Q4_1)
+    blocks = GgufBlocks(int(GGMLQuantizationType.Q4_1), torch.from_numpy(np.ascontiguousarray(raw)))
+    layer = GgufLinear(blocks, None, torch.float32, load())
+    assert torch.equal(layer.weight, torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_1)))
+
+
+def test_bad_blocks_are_refused() -> None:
+    with pytest.raises(ValueError, match="ggml_type: 12 is not a block format"):
+        GgufBlocks(12, torch.zeros(4, 144, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"raw: expected uint8 \[out, in / 32 x 20\]"):
+        GgufBlocks(3, torch.zeros(4, 30, dtype=torch.uint8))
+    q4_0 = GgufBlocks(2, torch.zeros(4, 18, dtype=torch.uint8))
+    q4_1 = GgufBlocks(3, torch.zeros(4, 20, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"parts are in \['Q4_0', 'Q4_1'\]"):
+        stack([q4_0, q4_1])
+    model = tiny_target(hidden=64)
+    with pytest.raises(ValueError, match="do not match the module's"):
+        apply_gguf(model, {"lm_head": q4_1}, load())
+
+
+def test_the_weights_choice_is_checked(tiny_llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="nvfp4_lm_head: an NVFP4 LM head needs weights='nvfp4'"):
+        WeightFormat("gguf", lm_head=True)
+    with pytest.raises(ValueError, match="is not a .gguf file"):
+        load_model(tiny_llama_dir, torch.float32, CPU, WeightFormat("gguf"))
+
+
+def test_smollm2_serves_from_its_own_blocks_under_the_file_fingerprint() -> None:
+    """Every linear layer of the shipped GGUF from its Q4_1 (layers) and Q8_0 (tied head) blocks; the
+    logits of a prompt match the fp32 dequantized model's, and greedy answers agree."""
+    gguf = load_for_inference(None, torch.bfloat16, CPU, WeightFormat("gguf"))
+    fp32 = load_for_inference(None, torch.float32, CPU)
+    assert gguf.fingerprint == fp32.fingerprint and gguf.weights.card() == {"weights": "gguf"}
+    formats = {name: m.ggml_type for name, m in gguf.model.named_modules() if isinstance(m, GgufLinear)}
+    assert len(formats) == 4 * 30 + 1 and formats["lm_head"] == 8 and set(formats.values()) == {3, 8}
+    prompt = gguf.tokenizer.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
+    logits = {}
+    for name, loaded in (("gguf", gguf), ("fp32", fp32)):
+        cache = KVCache(loaded.model.config, 1, 128, torch.float32, CPU)
+        with torch.inference_mode():
+            hidden, _ = loaded.model(torch.tensor([prompt]), cache, AttnBatch.build([0], [0], len(prompt), CPU, 128))
+            logits[name] = loaded.model.logits(hidden[0]).float()
+    assert (logits["gguf"] - logits["fp32"]).abs().max() <= 5e-2 * logits["fp32"].abs().max()
+    agree = (logits["gguf"].argmax(-1) == logits["fp32"].argmax(-1)).float().mean()
+    assert agree >= 0.9, f"the next-token choice agreed at {agree:.0%} of the prompt's positions"
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    answers = [LLMEngine(m.model, EngineConfig(num_slots=1, max_len=256), []).generate([prompt], greedy)[0].output_ids
+               for m in (gguf, fp32)]
+    assert answers[0][:8] == answers[1][:8]

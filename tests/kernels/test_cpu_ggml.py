@@ -1,0 +1,110 @@
+"""The C++ kernel on GGUF's own blocks (`pack_ggml`, `linear_ggml`, `unpack_ggml` in
+`kernels/cpu_decode.cpp`) of every build this CPU runs: the tiles decode bit for bit to what the `gguf`
+package dequantizes, products match the fp32 dequantized weights, and bad input is refused."""
+
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from specloop.kernels.cpu_decode import load
+from specloop.kernels.cpu_features import Isa
+
+FORMATS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
+
+
+@pytest.fixture
+def kernel(kernel_isa: Isa) -> ModuleType:
+    module = load(kernel_isa)
+    assert module is not None and module.isa == kernel_isa, f"the {kernel_isa} build did not load"
+    return module
+
+
+def gguf_tensor(shape: tuple[int, int], qtype: GGMLQuantizationType, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
+    """A random weight in `qtype` as the file stores it (uint8 [out, row bytes]) and its dequantization."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal(shape) * shape[1] ** -0.5).astype(np.float32)
+    w[0, :32] = 0.0  # an all-zero block: scale 0
+    raw = quantize(w, qtype)
+    return torch.from_numpy(np.ascontiguousarray(raw)), dequantize(raw, qtype)
+
+
+def relative_l2(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got.double() - expected.double()).norm() / expected.double().norm())
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", [(1, 32), (7, 96), (130, 576)])
+def test_tiles_decode_to_the_gguf_reference_bit_for_bit(kernel: ModuleType, qtype: GGMLQuantizationType,
+                                                        shape: tuple[int, int]) -> None:
+    raw, reference = gguf_tensor(shape, qtype)
+    q, d, m = kernel.unpack_ggml(kernel.pack_ggml(raw, int(qtype)), shape[0], int(qtype))
+    assert q.shape == shape and d.shape == m.shape == (shape[0], shape[1] // 32)
+    codes = q.numpy().astype(np.float32).reshape(shape[0], -1, 32)
+    d, m = d.numpy()[..., None], m.numpy()[..., None]
+    # As ggml (and the gguf package) form each weight: two roundings for Q4_1, one otherwise.
+    rebuilt = {GGMLQuantizationType.Q4_0: lambda: d * (codes - 8), GGMLQuantizationType.Q4_1: lambda: d * codes + m,
+               GGMLQuantizationType.Q8_0: lambda: d * codes}[qtype]().reshape(shape)
+    np.testing.assert_array_equal(rebuilt.view(np.uint32), reference.astype(np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_matches_the_dequantized_weights(kernel: ModuleType, qtype: GGMLQuantizationType, rows: int,
+                                                dtype: torch.dtype) -> None:
+    raw, reference = gguf_tensor((200, 576), qtype, seed=rows)
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 576).to(dtype)
+    expected = x.float() @ torch.from_numpy(reference).T
+    got = kernel.linear_ggml(x, kernel.pack_ggml(raw, int(qtype)), 200, int(qtype))
+    assert got.shape == (rows, 200) and got.dtype == dtype
+    # int8 activations add a relative error about 2^-9 per product (the NVFP4 path's bound, 1e-2,
+    # holds with room); bf16 output rounding adds 2^-9 more.
+    assert relative_l2(got, expected) < 1e-2
+
+
+def test_bias_and_leading_dims(kernel: ModuleType) -> None:
+    raw, reference = gguf_tensor((130, 128), GGMLQuantizationType.Q4_1)
+    x, bias = torch.randn(2, 3, 128), torch.randn(130)
+    got = kernel.linear_ggml(x, kernel.pack_ggml(raw, int(GGMLQuantizationType.Q4_1)), 130,
+                             int(GGMLQuantizationType.Q4_1), bias)
+    assert got.shape == (2, 3, 130)
+    assert relative_l2(got, x @ torch.from_numpy(reference).T + bias) < 1e-2
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_rows_do_not_depend_on_the_batch(kernel: ModuleType, qtype: GGMLQuantizationType) -> None:
+    raw, _ = gguf_tensor((300, 576), qtype)
+    tiles = kernel.pack_ggml(raw, int(qtype))
+    x = torch.randn(11, 576)
+    batched = kernel.linear_ggml(x, tiles, 300, int(qtype))
+    for i in range(11):
+        assert torch.equal(kernel.linear_ggml(x[i:i + 1], tiles, 300, int(qtype)), batched[i:i + 1])
+
+
+def test_extreme_codes_stay_exact(kernel: ModuleType) -> None:
+    """Q8_0 codes of -128 and activations of +-127 are the largest pairs VPMADDUBSW sums in int16."""
+    out, n_in = 4, 64
+    raw = np.zeros((out, n_in // 32, 34), np.uint8)
+    raw[:, :, :2] = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)
+    raw[:, :, 2:] = np.int8(-128).view(np.uint8)
+    x = torch.full((1, n_in), -3.0)
+    got = kernel.linear_ggml(x, kernel.pack_ggml(torch.from_numpy(raw.reshape(out, -1)), 8), out, 8)
+    torch.testing.assert_close(got, torch.full((1, out), 0.5 * 128 * 3.0 * n_in), rtol=1e-6, atol=0)
+
+
+def test_bad_input_is_refused(kernel: ModuleType) -> None:
+    raw, _ = gguf_tensor((8, 64), GGMLQuantizationType.Q4_1)
+    with pytest.raises(RuntimeError, match="ggml_type: 12 is not a block format"):
+        kernel.pack_ggml(raw, 12)  # Q4_K
+    with pytest.raises(RuntimeError, match="whole blocks of 18 bytes"):
+        kernel.pack_ggml(raw, int(GGMLQuantizationType.Q4_0))  # Q4_1 rows (20-byte blocks) called Q4_0
+    tiles = kernel.pack_ggml(raw, int(GGMLQuantizationType.Q4_1))
+    with pytest.raises(RuntimeError, match="tiles: expected the output of pack_ggml"):
+        kernel.linear_ggml(torch.randn(1, 64), tiles, 8, int(GGMLQuantizationType.Q8_0))
+    with pytest.raises(RuntimeError, match="x: expected bf16 or fp32"):
+        kernel.linear_ggml(torch.randn(1, 96), tiles, 8, int(GGMLQuantizationType.Q4_1))
