@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 # No -march=native: a build must run on every CPU that has its flags, not only on the one it was built on.
 ISA_FLAGS = {
-    Isa.AVX512_BF16: ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c",
-                      "-DSPECLOOP_AVX512_BF16"],
+    Isa.AVX512_BF16: ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni",
+                      "-mfma", "-mf16c", "-DSPECLOOP_AVX512_BF16"],
     Isa.AVX2: ["-mavx2", "-mfma", "-mf16c", "-DSPECLOOP_AVX2"],
     Isa.PORTABLE: [],
 }

@@ -30,8 +30,8 @@ class Isa(StrEnum):
 
 # Linux cpuinfo flags each x86 build needs; the portable build needs nothing.
 REQUIRED_FLAGS = {
-    Isa.AVX512_BF16: frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma",
-                                   "avx2", "f16c"}),
+    Isa.AVX512_BF16: frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni",
+                                   "fma", "avx2", "f16c"}),
     Isa.AVX2: frozenset({"avx2", "fma", "f16c"}),
     Isa.PORTABLE: frozenset(),
 }

@@ -31,6 +31,19 @@
 //                            each lane's activation sum: lane l adds the exact integer sum over
 //                            elements 8 l .. 8 l + 7 (offset removed) times w's scale times xs[l]
 //   fp4_zero, fp4_reduce     an empty accumulator; the sum of its lanes, by a fixed tree
+//   QJ                       tile rows one GGUF block accumulator holds (2 on AVX-512, else 1)
+//   QCodes, QAcc             QJ consecutive tile rows' codes of one 32-weight GGUF block, decoded; an
+//                            accumulator of 8 fp32 lanes per row for them (simd_ggml_x86.h says how)
+//   q_scales(h, out, n)      n (4 or 8) fp16 scales -> fp32, exactly
+//   q4_decode(qs), q8_decode(qs)  QJ rows' 16 nibble bytes (Q4_0, Q4_1) or 32 int8 (Q8_0) -> QCodes
+//   q_madd<SIGNED, OFFSET, MIN>(acc, w, d, m, xq, xs, xo, xf)  acc + the rows' block products with int8
+//                            activations xq [32] of scale xs, lane sums xo [8] (4 activations each) and
+//                            xf [8] (those times xs): lane l adds m x xf[l] for MIN, then the exact
+//                            integer sum over elements 4 l .. 4 l + 3 (less OFFSET x xo[l], OFFSET 0
+//                            or 8) times d x xs; d and m are the rows' scales (q_row_scales), xs
+//                            one number (q_splat), as QScale
+//   q_zero, q_reduce(acc, r), q_store(out, w, r)  an empty accumulator; the sum of row r's lanes by a
+//                            fixed tree; row r's 32 codes (for tests)
 //
 // What stays the same on every path: products of bf16 weights and bf16-rounded activations are exact
 // in fp32 and summed in fp32; each output is summed by one fixed order whatever the number of rows,

@@ -1,13 +1,14 @@
 // The AVX-512 BF16 path of the kernels' vector layer (contract in simd.h): 16 fp32 lanes, bf16
-// products by VDPBF16PS. Built with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mfma -mf16c
-// (F16C for the NVFP4 scales, simd_fp4_x86.h).
+// products by VDPBF16PS. Built with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnni
+// -mfma -mf16c (F16C for the NVFP4 and GGUF scales, simd_fp4_x86.h; VNNI for GGUF blocks,
+// simd_ggml_avx512.h).
 
 #pragma once
 
 #include <immintrin.h>
 
 #include "simd_fp4_x86.h"
-#include "simd_ggml_x86.h"
+#include "simd_ggml_avx512.h"
 
 namespace simd {
 

@@ -1,6 +1,6 @@
-// The x86 pieces of the kernels' vector layer (contract in simd.h) for GGUF's block formats Q4_0,
-// Q4_1 and Q8_0, shared by the AVX2 and the AVX-512 BF16 builds: 256-bit integer dot products, which
-// both have (as for NVFP4, simd_fp4_x86.h).
+// The AVX2 pieces of the kernels' vector layer (contract in simd.h) for GGUF's block formats Q4_0,
+// Q4_1 and Q8_0: 256-bit integer dot products, one tile row per accumulator (the AVX-512 build takes
+// two at once, simd_ggml_avx512.h).
 //
 // A GGUF block is 32 weights along a row with fp16 scales: Q4_0 w = d (q - 8), Q4_1 w = d q + m
 // (q = 0 .. 15, elements 0-15 in the low nibbles of its 16 bytes, 16-31 in the high ones), Q8_0
@@ -9,8 +9,9 @@
 // shift), so VPMADDUBSW and VPMADDWD leave in 32-bit lane l the exact integer sum over elements
 // 4 l .. 4 l + 3; Q4_0's -8 and Q4_1's m reach the sum through the activations' lane sums, which the
 // activations bring precomputed; Q8_0's signed weights take the sign trick (|w| times x with w's
-// sign). One fp32 FMA per lane then applies d x activation scale, another m x activation scale
-// for Q4_1. The fp16 scales of a tile's four rows become fp32 in one VCVTPH2PS.
+// sign). One fp32 FMA per lane then applies d x activation scale, another m for Q4_1 (against
+// the activations' lane sums times their scale, xf). The fp16 scales of a tile's four rows become
+// fp32 in one VCVTPH2PS.
 
 #pragma once
 
@@ -20,10 +21,15 @@
 
 namespace simd {
 
+constexpr int QJ = 1;  // tile rows per accumulator
 using QAcc = __m256;
 using QCodes = __m256i;  // one row's 32 codes of a block: unsigned (Q4_*) or signed (Q8_0) bytes
 
+using QScale = __m256;  // a number in every lane
+
 inline QAcc q_zero() { return _mm256_setzero_ps(); }
+inline QScale q_row_scales(const float* s) { return _mm256_set1_ps(*s); }
+inline QScale q_splat(float x) { return _mm256_set1_ps(x); }
 
 // n (4 or 8) fp16 scales -> fp32, exactly.
 inline void q_scales(const uint8_t* half, float* out, int n) {
@@ -43,7 +49,7 @@ inline QCodes q4_decode(const uint8_t* qs) {
 
 inline QCodes q8_decode(const uint8_t* qs) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)); }
 
-inline void q_store(int8_t* out, QCodes q) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), q); }
+inline void q_store(int8_t* out, QCodes q, int /*row*/) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), q); }
 
 // Lane l: the exact integer sum of w x over elements 4 l .. 4 l + 3 of a block; w unsigned (<= 15
 // for Q4, so a pair is at most 2 x 15 x 127, inside int16) or signed (Q8_0: |w| <= 128, a pair at
@@ -56,21 +62,22 @@ inline __m256i q_lanes(QCodes w, const int8_t* xq) {
   return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-// acc + one row's block against int8 activations xq [32] with scale xs and lane sums xo [8] (lane l:
-// the sum of activations 4 l .. 4 l + 3): Q4_0 (OFFSET 8) adds d xs (sum w x - 8 sum x), Q4_1 (MIN)
-// d xs sum w x + m xs sum x, Q8_0 (SIGNED) d xs sum w x, lane by lane.
+// acc + one row's block against int8 activations xq [32] with scale xs, lane sums xo [8] (lane l:
+// the sum of activations 4 l .. 4 l + 3) and those times xs, xf [8]: Q4_0 (OFFSET 8) adds
+// d xs (sum w x - 8 sum x), Q4_1 (MIN) d xs sum w x + m xs sum x, Q8_0 (SIGNED) d xs sum w x, lane by
+// lane; d, m and xs come broadcast (q_row_scales, q_splat).
 template <bool SIGNED, int OFFSET, bool MIN>
-inline QAcc q_madd(QAcc acc, QCodes w, float d, float m, const int8_t* xq, float xs, const int32_t* xo) {
+inline QAcc q_madd(QAcc acc, QCodes w, QScale d, QScale m, const int8_t* xq, QScale xs, const int32_t* xo,
+                   const float* xf) {
   __m256i sums = q_lanes<SIGNED>(w, xq);
-  if constexpr (OFFSET != 0 || MIN) {
-    const __m256i lane_x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xo));
-    if constexpr (OFFSET != 0) sums = _mm256_sub_epi32(sums, _mm256_mullo_epi32(lane_x, _mm256_set1_epi32(OFFSET)));
-    if constexpr (MIN) acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lane_x), _mm256_set1_ps(m * xs), acc);
-  }
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(d * xs), acc);
+  static_assert(OFFSET == 0 || OFFSET == 8, "Q4_0's offset is the one there is");
+  if constexpr (OFFSET != 0)
+    sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xo)), 3));
+  if constexpr (MIN) acc = _mm256_fmadd_ps(_mm256_loadu_ps(xf), m, acc);
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, xs), acc);
 }
 
-inline float q_reduce(QAcc x) {
+inline float q_reduce(QAcc x, int /*row*/) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));

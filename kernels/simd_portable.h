@@ -112,12 +112,17 @@ inline float fp4_reduce(Fp4Acc x) {
 
 // GGUF blocks as on x86 (simd_ggml_x86.h): codes in element order, exact integer sums per lane of 4
 // elements, the offset or minimum through the activations' lane sums.
+constexpr int QJ = 1;
 using QAcc = Fp4Acc;
 struct QCodes {
   int8_t q[32];  // Q4_*: 0 .. 15; Q8_0: as stored
 };
 
+using QScale = float;
+
 inline QAcc q_zero() { return {}; }
+inline QScale q_row_scales(const float* s) { return *s; }
+inline QScale q_splat(float x) { return x; }
 
 // fp16 -> fp32, exactly: normals and subnormals by their value, infinities and NaN kept.
 inline float from_fp16(uint16_t h) {
@@ -151,20 +156,21 @@ inline QCodes q8_decode(const uint8_t* qs) {
   return w;
 }
 
-inline void q_store(int8_t* out, const QCodes& w) { std::memcpy(out, w.q, 32); }
+inline void q_store(int8_t* out, const QCodes& w, int /*row*/) { std::memcpy(out, w.q, 32); }
 
 template <bool SIGNED, int OFFSET, bool MIN>
-inline QAcc q_madd(QAcc acc, const QCodes& w, float d, float m, const int8_t* xq, float xs, const int32_t* xo) {
+inline QAcc q_madd(QAcc acc, const QCodes& w, QScale d, QScale m, const int8_t* xq, QScale xs, const int32_t* xo,
+                   const float* xf) {
   for (int l = 0; l < 8; ++l) {
     int32_t s = 0;
     for (int i = 4 * l; i < 4 * l + 4; ++i) s += static_cast<int32_t>(w.q[i]) * xq[i];
     if constexpr (OFFSET != 0) s -= OFFSET * xo[l];
-    if constexpr (MIN) acc.v[l] += static_cast<float>(xo[l]) * (m * xs);
+    if constexpr (MIN) acc.v[l] += xf[l] * m;
     acc.v[l] += static_cast<float>(s) * (d * xs);
   }
   return acc;
 }
 
-inline float q_reduce(QAcc x) { return fp4_reduce(x); }
+inline float q_reduce(QAcc x, int /*row*/) { return fp4_reduce(x); }
 
 }  // namespace simd

@@ -1,0 +1,86 @@
+// The AVX-512 pieces of the kernels' vector layer (contract in simd.h) for GGUF's block formats Q4_0,
+// Q4_1 and Q8_0: the AVX2 scheme (simd_ggml_x86.h) on 512-bit registers holding two tile rows at
+// once, the block's activations in both halves, and VPDPBUSD (AVX-512 VNNI, which every CPU with
+// AVX-512 BF16 has) summing each lane's four byte products in one instruction. Lanes 0-7 belong to
+// the first row, 8-15 to the second; each lane's sum is exact and is scaled and added in the same
+// order as on AVX2, so one accumulator per (activation row, row pair) keeps every output's order
+// fixed whatever the number of rows.
+
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace simd {
+
+constexpr int QJ = 2;  // tile rows per accumulator
+using QAcc = __m512;
+using QCodes = __m512i;  // two rows' 32 codes of a block, row j in the low half
+
+inline QAcc q_zero() { return _mm512_setzero_ps(); }
+
+// n (4 or 8) fp16 scales -> fp32, exactly.
+inline void q_scales(const uint8_t* half, float* out, int n) {
+  if (n == 8) {
+    _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(half))));
+  } else {
+    _mm_storeu_ps(out, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(half))));
+  }
+}
+
+// Two consecutive rows' 16 bytes of nibbles -> [row j: low nibbles, high nibbles | row j + 1: ...].
+inline QCodes q4_decode(const uint8_t* qs) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(raw, nibble)),
+                                          _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble), 1);
+  // 128-bit lanes [low j, low j+1, high j, high j+1] -> [low j, high j, low j+1, high j+1]
+  return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+inline QCodes q8_decode(const uint8_t* qs) { return _mm512_loadu_si512(qs); }
+
+inline void q_store(int8_t* out, QCodes q, int row) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), row ? _mm512_extracti64x4_epi64(q, 1)
+                                                            : _mm512_extracti64x4_epi64(q, 0));
+}
+
+using QScale = __m512;  // a number per row's lanes: [row j x 8 | row j + 1 x 8], or one number in all
+
+// The two rows' scales s[0], s[1] as [s0 x 8 | s1 x 8].
+inline QScale q_row_scales(const float* s) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(s[0])), _mm256_set1_ps(s[1]), 1);
+}
+inline QScale q_splat(float x) { return _mm512_set1_ps(x); }
+
+inline __m512i q_twice(const void* p) {
+  return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// acc + two rows' block against the activations (as simd_ggml_x86.h's q_madd, per row).
+template <bool SIGNED, int OFFSET, bool MIN>
+inline QAcc q_madd(QAcc acc, QCodes w, QScale d, QScale m, const int8_t* xq, QScale xs, const int32_t* xo,
+                   const float* xf) {
+  __m512i x = q_twice(xq);
+  if constexpr (SIGNED) {
+    // |w| (-128 stays 0x80, 128 unsigned) times x with w's sign: |x| <= 127, so -x fits.
+    x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+    w = _mm512_abs_epi8(w);
+  }
+  __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
+  static_assert(OFFSET == 0 || OFFSET == 8, "Q4_0's offset is the one there is");
+  if constexpr (OFFSET != 0) sums = _mm512_sub_epi32(sums, _mm512_slli_epi32(q_twice(xo), 3));
+  if constexpr (MIN) acc = _mm512_fmadd_ps(_mm512_castsi512_ps(q_twice(xf)), m, acc);
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, xs), acc);
+}
+
+inline float q_reduce(QAcc x, int row) {
+  const __m512d p = _mm512_castps_pd(x);
+  const __m256 h = _mm256_castpd_ps(row ? _mm512_extractf64x4_pd(p, 1) : _mm512_extractf64x4_pd(p, 0));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+}  // namespace simd
