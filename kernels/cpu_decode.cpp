@@ -663,6 +663,68 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> unpack_ggml(const at::Tensor& til
 
 namespace {
 
+// One row's block of dense weights from its codes, formed as ggml forms them (Q4_1: d q, rounded, then
+// + m, rounded; no fused multiply-add), so that the fp32 result is the gguf package's bit for bit.
+template <typename T>
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+void dequantize_block(const int8_t* q, float d, float m, Ggml t, T* w) {
+  for (int64_t i = 0; i < Q_BLOCK; ++i) {
+    const float code = static_cast<float>(q[i]);
+    const float v = t == Ggml::Q4_0 ? d * (code - 8.f) : t == Ggml::Q4_1 ? d * code + m : d * code;
+    if constexpr (std::is_same_v<T, bf16>) {
+      w[i] = simd::to_bf16(v);
+    } else {
+      w[i] = v;
+    }
+  }
+}
+
+template <typename T>
+void dequantize_tiles(const at::Tensor& tiles, int64_t out, Ggml t, T* w) {
+  const int64_t blocks = tiles.size(1), codes = q_code_bytes(t), bytes = q_tile_bytes(t), in = blocks * Q_BLOCK;
+  const uint8_t* base = tiles.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles.size(0), 8, [&](int64_t t0, int64_t t1) {
+    alignas(64) int8_t q[simd::QJ * Q_BLOCK];
+    for (int64_t tile = t0; tile < t1; ++tile)
+      for (int64_t c = 0; c < blocks; ++c) {
+        const uint8_t* wc = base + (tile * blocks + c) * bytes;
+        alignas(32) float dm[2 * TILE] = {};
+        simd::q_scales(wc + TILE * codes, dm, t == Ggml::Q4_1 ? 2 * TILE : TILE);
+        for (int64_t j = 0; j < TILE && tile * TILE + j < out; ++j) {
+          const int64_t first = j / simd::QJ * simd::QJ;  // the decode takes QJ rows
+          const simd::QCodes codes_j =
+              t == Ggml::Q8_0 ? simd::q8_decode(wc + first * codes) : simd::q4_decode(wc + first * codes);
+          simd::q_store(q, codes_j, j % simd::QJ);
+          dequantize_block(q, dm[j], dm[TILE + j], t, w + (tile * TILE + j) * in + c * Q_BLOCK);
+        }
+      }
+  });
+}
+
+}  // namespace
+
+// The dense weight [out, in] (fp32 or bf16) that `pack_ggml`'s tiles stand for, made in one parallel
+// pass: what a pass of many rows multiplies by (prefill chunks; oneDNN's GEMM reuses each weight
+// across rows, where the kernel's int8 products cost per row). fp32 equals the gguf package's
+// dequantization bit for bit; bf16 is that rounded to nearest even.
+at::Tensor dequantize_ggml(const at::Tensor& tiles, int64_t out, int64_t type, bool bfloat16) {
+  const Ggml t = ggml_format(type);
+  check_ggml_tiles(tiles, out, t);
+  const at::ScalarType dtype = bfloat16 ? at::kBFloat16 : at::kFloat;
+  auto w = at::empty({out, tiles.size(1) * Q_BLOCK}, tiles.options().dtype(dtype));
+  pybind11::gil_scoped_release nogil;
+  if (dtype == at::kFloat) {
+    dequantize_tiles(tiles, out, t, w.data_ptr<float>());
+  } else {
+    dequantize_tiles(tiles, out, t, reinterpret_cast<bf16*>(w.data_ptr()));
+  }
+  return w;
+}
+
+namespace {
+
 // y [..., out] = x w^T + b in x's dtype, computed in fp32 against a packed weight.
 at::Tensor apply_packed(const at::Tensor& x, const Packed& w, const c10::optional<at::Tensor>& bias) {
   const int64_t out = w.out;
@@ -965,6 +1027,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_ggml", &linear_ggml, "y = x w^T + b for a few rows, w given as pack_ggml(w), out, its ggml type",
         pybind11::arg("x"), pybind11::arg("tiles"), pybind11::arg("out"), pybind11::arg("type"),
         pybind11::arg("bias") = pybind11::none());
+  m.def("dequantize_ggml", &dequantize_ggml, "pack_ggml's tiles as the dense weight [out, in], fp32 or bf16",
+        pybind11::arg("tiles"), pybind11::arg("out"), pybind11::arg("type"), pybind11::arg("bfloat16"));
   m.def("unpack_ggml", &unpack_ggml, "pack_ggml's tiles decoded: codes int8 [out, in], d and m fp32 [out, in / 32]",
         pybind11::arg("tiles"), pybind11::arg("out"), pybind11::arg("type"));
   m.def("linear", &linear, "y = x w^T + b for a few rows, w given as pack(w) and out", pybind11::arg("x"),

@@ -17,11 +17,15 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from specloop.kernels.cpu_decode import cpu_plan
 
 # ggml type id -> (name, bytes per block of 32 weights): the block formats the kernel reads.
 BLOCK_FORMATS = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
 BLOCK = 32  # weights per block, along a row
+KERNEL_ROWS = 64  # passes of more rows multiply the weight dequantized for the pass (see `forward`)
 
 
 @dataclass(frozen=True)
@@ -71,14 +75,16 @@ class GgufLinear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weight `[out, in]` in the layer's dtype, made on each read."""
-        q, d, m = self.kernel.unpack_ggml(self.tiles, self.out_features, self.ggml_type)
-        codes = q.float().view(self.out_features, -1, BLOCK)  # [out, in / 32, 32]
-        d, m = d.unsqueeze(-1), m.unsqueeze(-1)
-        w = {2: lambda: d * (codes - 8), 3: lambda: d * codes + m, 8: lambda: d * codes}[self.ggml_type]()
-        return w.view(self.out_features, self.in_features).to(self.dtype)
+        return self.kernel.dequantize_ggml(self.tiles, self.out_features, self.ggml_type, self.dtype == torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel.linear_ggml(x, self.tiles, self.out_features, self.ggml_type, self.bias)
+        if x.numel() // x.shape[-1] <= KERNEL_ROWS:
+            return self.kernel.linear_ggml(x, self.tiles, self.out_features, self.ggml_type, self.bias)
+        # A prefill chunk: the weight dequantized for this pass only (fp32 where oneDNN has no native
+        # bf16, as engine/cpu/linear.py widens bf16), one GEMM, then dropped.
+        dtype = self.dtype if cpu_plan().onednn_bf16 else torch.float32
+        w = self.kernel.dequantize_ggml(self.tiles, self.out_features, self.ggml_type, dtype == torch.bfloat16)
+        return F.linear(x.to(dtype), w, None if self.bias is None else self.bias.to(dtype)).to(x.dtype)
 
 
 def apply_gguf(model: nn.Module, blocks: dict[str, GgufBlocks], kernel: ModuleType) -> None:

@@ -55,13 +55,14 @@ def to_gguf(model: Transformer) -> tuple[Transformer, Transformer]:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_gguf_matches_the_eager_model(tiny_llama_dir: Path, dtype: torch.dtype) -> None:
     fused, reference = to_gguf(load_model(tiny_llama_dir, dtype, CPU).model)
-    tokens = torch.randint(0, 300, (2, 40), generator=torch.Generator().manual_seed(0))
-    # A 40-token prefill (past the fused pass's 32 rows: the layers' own kernel calls), then decode steps.
-    passes = [([1, 0], [0, 0], 38), ([1, 0], [38, 38], 1), ([0, 1], [39, 39], 1)]
-    caches = {id(m): KVCache(m.config, 2, MAX_LEN, torch.float32, CPU) for m in (fused, reference)}
+    tokens = torch.randint(0, 300, (2, 90), generator=torch.Generator().manual_seed(0))
+    # Prefills of 38 and 2 x 50 rows (past the fused pass's 32: the layers' kernel calls, then past
+    # KERNEL_ROWS: the dequantized weights), then decode steps.
+    passes = [([1, 0], [0, 0], 38), ([1, 0], [38, 38], 50), ([1, 0], [88, 88], 1), ([0, 1], [89, 89], 1)]
+    caches = {id(m): KVCache(m.config, 2, 2 * MAX_LEN, torch.float32, CPU) for m in (fused, reference)}
     with torch.inference_mode():
         for slots, starts, n in passes:
-            batch = AttnBatch.build(slots, starts, n, CPU, MAX_LEN)
+            batch = AttnBatch.build(slots, starts, n, CPU, 2 * MAX_LEN)
             x = tokens[:, starts[0]:starts[0] + n]
             (got, _), (want, _) = (m(x, caches[id(m)], batch) for m in (fused, reference))
             assert (got.float() - want).abs().max() <= TOLERANCE * want.abs().max()
@@ -112,11 +113,15 @@ def test_greedy_dflash_speculation_is_lossless_on_a_gguf_target() -> None:
     assert proposer.fused is not None and sum(s.spec.drafts for s in out) > 0
 
 
-def test_the_weight_reads_back_as_the_blocks_dequantized() -> None:
-    raw = quantize(np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32), GGMLQuantizationType.Q4_1)
-    blocks = GgufBlocks(int(GGMLQuantizationType.Q4_1), torch.from_numpy(np.ascontiguousarray(raw)))
-    layer = GgufLinear(blocks, None, torch.float32, load())
-    assert torch.equal(layer.weight, torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_1)))
+@pytest.mark.usefixtures("kernel_isa")
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0],
+                         ids=lambda t: t.name)
+def test_the_weight_reads_back_as_the_blocks_dequantized(qtype: GGMLQuantizationType) -> None:
+    raw = quantize(np.random.default_rng(0).standard_normal((9, 64)).astype(np.float32), qtype)
+    blocks = GgufBlocks(int(qtype), torch.from_numpy(np.ascontiguousarray(raw)))
+    reference = torch.from_numpy(dequantize(raw, qtype))
+    assert torch.equal(GgufLinear(blocks, None, torch.float32, load()).weight, reference)
+    assert torch.equal(GgufLinear(blocks, None, torch.bfloat16, load()).weight, reference.bfloat16())
 
 
 def test_bad_blocks_are_refused() -> None:
