@@ -108,7 +108,7 @@ def read_gguf_blocks(path: Path, config: ModelConfig) -> dict[str, GgufBlocks]:
     rows moved, so each row's blocks are untouched. Tensors in other formats are not in it."""
     blocks = {}
     for t in GGUFReader(path).tensors:
-        if int(t.tensor_type) not in BLOCK_FORMATS:
+        if int(t.tensor_type) not in BLOCK_FORMATS or t.data.ndim != 2:  # a matrix's rows of blocks
             continue
         raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # [out, row bytes], copied off the map
         blocks[_hf_name(t.name)] = GgufBlocks(int(t.tensor_type), _unpermute_qk(t.name, raw, config))

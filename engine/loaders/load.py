@@ -9,8 +9,9 @@ and the one place that says which device is the default. It is not a loader itse
 (`engine/model/gguf_linear.py`), under the file's fingerprint. `WeightFormat("nvfp4", ...)` serves
 NVFP4 weights (`engine/model/nvfp4_linear.py`, `engine/model/nvfp4_embedding.py`): an NVFP4
 checkpoint's own, or a dense model's quantized on load (`quantize.py`), which is the same model as
-the checkpoint `specloop quantize` writes from it, fingerprint included. The dense weights (`WeightFormat()`) of an NVFP4 checkpoint are its
-dequantized weights in ordinary layers, still under its NVFP4 fingerprint.
+the checkpoint `specloop quantize` writes from it, fingerprint included. The dense weights
+(`WeightFormat()`) of an NVFP4 checkpoint are its dequantized weights in ordinary layers, still
+under its NVFP4 fingerprint.
 """
 
 import importlib.util
@@ -115,8 +116,9 @@ def load_model(source: str | Path | None, dtype: torch.dtype, device: torch.devi
 
 
 def gguf_modules(path: Path, stored: StoredModel, device: torch.device) -> dict[str, GgufBlocks]:
-    """The GGUF blocks of each linear module of `stored` (a GGUF file) whose parts are all in a block
-    format the kernel reads; the others stay dense, named in a warning."""
+    """The GGUF blocks of each linear module of `stored` (a GGUF file) whose parts are all in one block
+    format the kernel reads; the others (K-quants, F16, parts in two formats) stay dense, named in a
+    warning."""
     if path.suffix != ".gguf":
         raise ValueError(f"weights: 'gguf' serves a GGUF file's own blocks, and {path.name} is not a .gguf file")
     if device.type != "cpu":
@@ -126,12 +128,12 @@ def gguf_modules(path: Path, stored: StoredModel, device: torch.device) -> dict[
     modules, dense = {}, []
     for module, names in fusion_groups(stored.config, lm_head=True):
         parts = [blocks.get(sources.get(n, n)) for n in names]
-        if all(p is not None for p in parts):
+        if all(p is not None for p in parts) and len({p.ggml_type for p in parts}) == 1:
             modules[module] = stack(parts)
         else:
             dense.append(module)
     if dense:
-        log.warning("weights 'gguf': %d of %d linear modules are not in Q4_0, Q4_1 or Q8_0 and stay dense: %s",
+        log.warning("weights 'gguf': %d of %d linear modules are not in one of Q4_0, Q4_1 or Q8_0 and stay dense: %s",
                     len(dense), len(dense) + len(modules), ", ".join(dense[:5]))
     return modules
 

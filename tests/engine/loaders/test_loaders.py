@@ -13,11 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
 
 from specloop.engine.loaders.gguf import permute_rows, served_name, unpermute_rows
 from specloop.engine.loaders.hf import read_hf_dir
 from specloop.engine.loaders.load import LoadedModel, load_model, read_stored_model
+from specloop.engine.loaders.weight_format import WeightFormat
+from specloop.engine.model.gguf_linear import GgufLinear
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,8 +32,10 @@ _TO_GGUF = [("model.embed_tokens.", "token_embd."), ("lm_head.", "output."), ("m
             ("mlp.gate_proj.", "ffn_gate."), ("mlp.up_proj.", "ffn_up."), ("mlp.down_proj.", "ffn_down.")]
 
 
-def write_gguf_like_llama_cpp(hf_dir: Path, out: Path, arch: str = "llama", tokenizer_model: str = "gpt2") -> Path:
-    """Convert a tiny Llama directory to an F32 GGUF as convert_hf_to_gguf.py does."""
+def write_gguf_like_llama_cpp(hf_dir: Path, out: Path, arch: str = "llama", tokenizer_model: str = "gpt2",
+                              qtype: Callable[[str], GGMLQuantizationType | None] = lambda name: None) -> Path:
+    """Convert a tiny Llama directory to a GGUF as convert_hf_to_gguf.py does: F32, or each tensor in
+    the block format `qtype` names for its GGUF name."""
     checkpoint = read_hf_dir(hf_dir)
     c = checkpoint.config
     writer = GGUFWriter(out, arch)
@@ -61,7 +66,10 @@ def write_gguf_like_llama_cpp(hf_dir: Path, out: Path, arch: str = "llama", toke
             tensor = permute_rows(tensor, c.num_kv_heads)
         for hf, gg in _TO_GGUF:
             name = name.replace(hf, gg)
-        writer.add_tensor(name, tensor.float().numpy())
+        if (block_format := qtype(name)) is None:
+            writer.add_tensor(name, tensor.float().numpy())
+        else:
+            writer.add_tensor(name, quantize(tensor.float().numpy(), block_format), raw_dtype=block_format)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -205,3 +213,29 @@ def test_corrupt_gguf_is_refused(tmp_path: Path, content: bytes) -> None:
     (tmp_path / "broken.gguf").write_bytes(content)
     with pytest.raises(ValueError, match="broken.gguf: not a readable GGUF"):
         read_stored_model(tmp_path / "broken.gguf")
+
+
+def test_a_quantized_gguf_serves_its_blocks_where_the_kernel_reads_them(tiny_llama_dir: Path, tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """`--weights gguf` on a file mixing formats as real ones do: each linear module whose parts share
+    a block format the kernel reads is served from those blocks (q/k rows put back in rotate-half
+    order as whole rows); one whose parts are in two formats, or in F32, stays dense, named in a
+    warning; the logits are the dense load's of the same file, to the kernel's int8 rounding."""
+    formats = {"attn_output": GGMLQuantizationType.Q4_0, "ffn_gate": GGMLQuantizationType.Q4_1,
+               "ffn_up": GGMLQuantizationType.Q4_1, "ffn_down": GGMLQuantizationType.Q4_1,
+               "attn_q": GGMLQuantizationType.Q4_1, "attn_k": GGMLQuantizationType.Q4_1,
+               "blk.0.attn_v": GGMLQuantizationType.Q8_0, "blk.1.attn_v": GGMLQuantizationType.Q4_1}
+    gguf_path = write_gguf_like_llama_cpp(tiny_llama_dir, tmp_path / "tiny-llama.Q4_1.gguf", qtype=lambda name: next(
+        (t for key, t in formats.items() if name.startswith(key) or f".{key}" in name), None))
+    dense = load_model(gguf_path, torch.float32, CPU)
+    with caplog.at_level("WARNING"):
+        blocks = load_model(gguf_path, torch.float32, CPU, WeightFormat("gguf"))
+    assert blocks.fingerprint == dense.fingerprint
+    served = {name: m.ggml_type for name, m in blocks.model.named_modules() if isinstance(m, GgufLinear)}
+    assert served == {"layers.0.attn.o": 2, "layers.0.mlp.gate_up": 3, "layers.0.mlp.down": 3,
+                      "layers.1.attn.qkv": 3, "layers.1.attn.o": 2, "layers.1.mlp.gate_up": 3, "layers.1.mlp.down": 3}
+    assert "layers.0.attn.qkv, lm_head" in caplog.text
+    tokens = torch.randint(3, 300, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, want = (m.model.logits(m.model(tokens)[0]) for m in (blocks, dense))
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()
