@@ -67,6 +67,26 @@ def test_serve_nvfp4_weights_as_another_base_model(tiny_llama_dir: Path, tmp_pat
             proc.wait()
 
 
+def test_serve_gguf_blocks_as_the_same_base_model(tmp_path: Path) -> None:
+    """The shipped GGUF served from its own blocks: the file's fingerprint, as the dense load has."""
+    port = free_port()
+    specloop = Path(sys.executable).parent / "specloop"
+    with open(tmp_path / "serve.log", "wb") as log:
+        proc = subprocess.Popen([str(specloop), "serve", "--port", str(port), "--device", "cpu", "--max-len", "256",
+                                 "--weights", "gguf"], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            wait_ready(base, proc, tmp_path / "serve.log", 90)
+            card = httpx.get(f"{base}/v1/models").json()["data"][0]
+            assert card["weights"] == "gguf" and card["fingerprint"] == "7d2a9147d6eef963"
+            body = {"model": card["id"], "messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 8}
+            reply = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).json()
+            assert reply["system_fingerprint"] == "7d2a9147d6eef963" and reply["usage"]["completion_tokens"] >= 1
+        finally:
+            proc.kill()
+            proc.wait()
+
+
 def test_serve_refuses_bad_options_naming_them() -> None:
     specloop = Path(sys.executable).parent / "specloop"
     r = subprocess.run([str(specloop), "serve", "--dtype", "float16"], capture_output=True, text=True, timeout=60)
