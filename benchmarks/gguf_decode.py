@@ -56,7 +56,8 @@ def bytes_per_token(model: torch.nn.Module) -> int:
     total = 0
     for name, module in model.named_modules():
         if isinstance(module, GgufLinear):
-            total += module.out_features * module.in_features // 32 * BLOCK_FORMATS[module.ggml_type][1]
+            _, block_bytes, weights = BLOCK_FORMATS[module.ggml_type]
+            total += module.out_features * module.in_features // weights * block_bytes
         elif isinstance(module, CpuNvfp4Linear):  # 4-bit codes and an E4M3 scale per 16
             total += module.q.packed.numel() + module.q.block_scale.numel()
         elif isinstance(module, CpuLinear) and not name.endswith(".dense"):  # not an NVFP4 layer's large-pass copy

@@ -146,23 +146,28 @@ void check_matrix(const at::Tensor& t, at::ScalarType dtype, const char* name) {
 
 // The formats of GGUF blocks the kernel reads as they are (simd_ggml_x86.h), numbered as ggml's
 // `ggml_type` does, so the Python side passes a GGUF tensor's type id unchanged.
-enum class Ggml : int64_t { NONE = -1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
-constexpr int64_t Q_BLOCK = 32;  // weights per GGUF block, along a row
+enum class Ggml : int64_t { NONE = -1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12 };
+constexpr int64_t Q_BLOCK = 32;  // weights per GGUF block (per Q4_K sub-block), along a row
+constexpr int64_t K_BLOCK = 256, K_SUB = K_BLOCK / Q_BLOCK;  // a Q4_K super-block: 8 sub-blocks of 32
 // Bytes of a GGUF tile prefetched ahead of the one being read, on every build: SmolLM2's 211 Q4_1 and
 // Q8_0 matrices (96 MB) at one row took 12.45 ms without and 5.60 ms with it (AVX-512 build, AMX Xeon,
 // 2 threads): without it the hardware prefetcher alone fell behind the tiles' 72-136 byte blocks.
 constexpr int64_t Q_PREFETCH = 4096;
 
-// Bytes per row and block: codes, then fp16 scales (d; d and m for Q4_1), as the file stores them.
-int64_t q_code_bytes(Ggml t) { return t == Ggml::Q8_0 ? 32 : 16; }
-int64_t q_scale_bytes(Ggml t) { return t == Ggml::Q4_1 ? 4 : 2; }
-int64_t q_tile_bytes(Ggml t) { return TILE * (q_code_bytes(t) + q_scale_bytes(t)); }
+// Per row and block (Q4_K: super-block): weights, bytes of codes, of 6-bit sub-block scales (Q4_K's
+// 12) and of fp16 scales (d; d and m for Q4_1; d and dmin for Q4_K), as the file stores them.
+int64_t q_block_weights(Ggml t) { return t == Ggml::Q4_K ? K_BLOCK : Q_BLOCK; }
+int64_t q_code_bytes(Ggml t) { return t == Ggml::Q4_K ? 128 : t == Ggml::Q8_0 ? 32 : 16; }
+int64_t q_sub_scale_bytes(Ggml t) { return t == Ggml::Q4_K ? 12 : 0; }
+int64_t q_scale_bytes(Ggml t) { return t == Ggml::Q4_1 || t == Ggml::Q4_K ? 4 : 2; }
+int64_t q_block_bytes(Ggml t) { return q_code_bytes(t) + q_sub_scale_bytes(t) + q_scale_bytes(t); }
+int64_t q_tile_bytes(Ggml t) { return TILE * q_block_bytes(t); }
 
 // A weight packed by `pack` (bf16 or fp32), `pack_nvfp4` or `pack_ggml` (uint8), with its true number
 // of output rows and, for NVFP4, its tensor scale, for GGUF blocks their format.
 struct Packed {
   at::Tensor tiles;  // [ceil(out / 4), in / V, 4, V], NVFP4 [ceil(out / 4), in / 64, FP4_TILE_BYTES],
-                     // GGUF [ceil(out / 4), in / 32, q_tile_bytes]
+                     // GGUF [ceil(out / 4), in / q_block_weights, q_tile_bytes]
   int64_t out = 0;
   float tensor_scale = 0.f;
   Ggml ggml = Ggml::NONE;
@@ -170,7 +175,7 @@ struct Packed {
   bool fp4() const { return quantized() && ggml == Ggml::NONE; }
   int64_t in() const {
     if (!quantized()) return tiles.size(1) * tiles.size(3);
-    return tiles.size(1) * (fp4() ? FP4_CHUNK : Q_BLOCK);
+    return tiles.size(1) * (fp4() ? FP4_CHUNK : q_block_weights(ggml));
   }
 };
 
@@ -382,9 +387,71 @@ void ggml_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float
       y[g * out + first + j] = simd::q_reduce(acc[g][j / simd::QJ], j % simd::QJ);
 }
 
+// A Q4_K row's 8 sub-block scales and minima from its 12 bytes of 6-bit values (ggml's
+// get_scale_min_k4) and its fp16 d and dmin: w = d sc q - dmin mn, so the sub-block's d is d sc and
+// its m (as Q4_1's, added) is -(dmin mn), each one fp32 product as ggml forms them.
+void q4k_sub_scales(const uint8_t* q, float d, float dmin, float* ds, float* ms, int64_t stride) {
+  for (int j = 0; j < K_SUB; ++j) {
+    const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    const int mn = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    ds[j * stride] = d * static_cast<float>(sc);
+    ms[j * stride] = -(dmin * static_cast<float>(mn));
+  }
+}
+
+// `ggml_tile_rows` for Q4_K tiles: per super-block, each row's 8 sub-block scales are unpacked once,
+// then each sub-block of 32 is a Q4_1 block of those scales whose codes are one nibble of 32 bytes
+// (sub-block 2 i: the low nibbles of bytes 32 i .. 32 i + 31; 2 i + 1: their high nibbles).
+template <int G>
+void q4k_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* y, int64_t in, int64_t out,
+                   int64_t first) {
+  constexpr int PAIRS = TILE / simd::QJ;
+  constexpr int64_t CODES = 128, SUB = 12, BYTES = TILE * (CODES + SUB + 4);
+  const int64_t supers = in / K_BLOCK, blocks = in / Q_BLOCK;
+  simd::QAcc acc[G][PAIRS];
+  for (int g = 0; g < G; ++g)
+    for (int p = 0; p < PAIRS; ++p) acc[g][p] = simd::q_zero();
+  for (int64_t c = 0; c < supers; ++c) {
+    const uint8_t* wc = tile + c * BYTES;
+    for (int64_t line = 0; line < BYTES; line += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(wc) + Q_PREFETCH + line);
+    alignas(32) float dm[2 * TILE], ds[K_SUB][TILE], ms[K_SUB][TILE];  // [sub-block][row]
+    simd::q_scales(wc + TILE * (CODES + SUB), dm, 2 * TILE);
+    for (int j = 0; j < TILE; ++j) q4k_sub_scales(wc + TILE * CODES + j * SUB, dm[j], dm[TILE + j], &ds[0][j], &ms[0][j], TILE);
+    for (int s = 0; s < K_SUB; ++s) {
+      simd::QScale xs[G];
+      for (int g = 0; g < G; ++g) xs[g] = simd::q_splat(x.scales[(m0 + g) * blocks + c * K_SUB + s]);
+      for (int p = 0; p < PAIRS; ++p) {
+        const int j = p * simd::QJ;
+        const simd::QCodes w = simd::q4k_decode(wc + j * CODES + s / 2 * 32, CODES, s % 2);
+        const simd::QScale d = simd::q_row_scales(&ds[s][j]), m = simd::q_row_scales(&ms[s][j]);
+        for (int g = 0; g < G; ++g) {
+          const int64_t b = (m0 + g) * blocks + c * K_SUB + s;
+          acc[g][p] = simd::q_madd<false, 0, true>(acc[g][p], w, d, m, x.q.data() + b * Q_BLOCK, xs[g],
+                                                   x.sums.data() + b * 8, x.scaled.data() + b * 8);
+        }
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < TILE && first + j < out; ++j)
+      y[g * out + first + j] = simd::q_reduce(acc[g][j / simd::QJ], j % simd::QJ);
+}
+
+template <Ggml T, int G>
+void tile_rows_of(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* y, int64_t in, int64_t out,
+                  int64_t first) {
+  if constexpr (T == Ggml::Q4_K) {
+    q4k_tile_rows<G>(tile, x, m0, y, in, out, first);
+  } else {
+    ggml_tile_rows<T, G>(tile, x, m0, y, in, out, first);
+  }
+}
+
 template <Ggml T>
 void matmul_ggml_as(const float* x, const Packed& w, const float* bias, float* y, int64_t M, QuantizedQ8& xq) {
-  const int64_t in = w.in(), out = w.out, tiles = (out + TILE - 1) / TILE, bytes = (in / Q_BLOCK) * q_tile_bytes(T);
+  const int64_t in = w.in(), out = w.out, tiles = (out + TILE - 1) / TILE;
+  const int64_t bytes = (in / q_block_weights(T)) * q_tile_bytes(T);
   prepare_q8_blocks(x, M, in, xq);
   const uint8_t* base = w.tiles.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
@@ -392,10 +459,10 @@ void matmul_ggml_as(const float* x, const Packed& w, const float* bias, float* y
       for (int64_t m = 0; m < M; m += simd::ROWS) {
         float* ym = y + m * out;
         switch (std::min<int64_t>(simd::ROWS, M - m)) {
-          case 4: ggml_tile_rows<T, 4>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
-          case 3: ggml_tile_rows<T, 3>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
-          case 2: ggml_tile_rows<T, 2>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
-          default: ggml_tile_rows<T, 1>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
+          case 4: tile_rows_of<T, 4>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
+          case 3: tile_rows_of<T, 3>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
+          case 2: tile_rows_of<T, 2>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
+          default: tile_rows_of<T, 1>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
         }
       }
     }
@@ -410,34 +477,39 @@ void matmul_ggml(const float* x, const Packed& w, const float* bias, float* y, i
     case Ggml::Q4_0: return matmul_ggml_as<Ggml::Q4_0>(x, w, bias, y, M, xq);
     case Ggml::Q4_1: return matmul_ggml_as<Ggml::Q4_1>(x, w, bias, y, M, xq);
     case Ggml::Q8_0: return matmul_ggml_as<Ggml::Q8_0>(x, w, bias, y, M, xq);
+    case Ggml::Q4_K: return matmul_ggml_as<Ggml::Q4_K>(x, w, bias, y, M, xq);
     case Ggml::NONE: break;
   }
   TORCH_CHECK(false, "not a GGUF block format");
 }
 
 Ggml ggml_format(int64_t type) {
-  TORCH_CHECK(type == int64_t(Ggml::Q4_0) || type == int64_t(Ggml::Q4_1) || type == int64_t(Ggml::Q8_0),
-              "ggml_type: ", type, " is not a block format the kernel reads (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8)");
+  TORCH_CHECK(type == int64_t(Ggml::Q4_0) || type == int64_t(Ggml::Q4_1) || type == int64_t(Ggml::Q8_0) ||
+                  type == int64_t(Ggml::Q4_K),
+              "ggml_type: ", type, " is not a block format the kernel reads (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12)");
   return static_cast<Ggml>(type);
 }
 
-// A GGUF tensor's rows as the file stores them, uint8 [out, in / 32 x block bytes] -> tiles.
+// A GGUF tensor's rows as the file stores them, uint8 [out, blocks x block bytes] -> tiles.
 Packed pack_ggml_matrix(const at::Tensor& raw, int64_t type) {
   const Ggml t = ggml_format(type);
-  const int64_t codes = q_code_bytes(t), scales = q_scale_bytes(t), block = codes + scales;
+  const int64_t codes = q_code_bytes(t), scales = q_scale_bytes(t), sub = q_sub_scale_bytes(t);
+  const int64_t block = q_block_bytes(t);
   TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous() && raw.size(0) > 0 &&
                   raw.size(1) > 0 && raw.size(1) % block == 0,
-              "raw: expected contiguous uint8 [out, in / 32 x ", block, "], whole blocks of ", block, " bytes");
+              "raw: expected contiguous uint8 [out, in / ", q_block_weights(t), " x ", block, "], whole blocks of ",
+              block, " bytes");
   const int64_t blocks = raw.size(1) / block;
   const int64_t out = raw.size(0), tiles = (out + TILE - 1) / TILE;
   auto padded = at::zeros({tiles * TILE, blocks, block}, raw.options());  // rows past `out`: scale 0
   padded.narrow(0, 0, out).copy_(raw.view({out, blocks, block}));
   auto by_tile = padded.view({tiles, TILE, blocks, block}).transpose(1, 2);  // [tiles, blocks, 4, block]
-  // A block stores its scales first: d (and m), then the codes.
-  auto c = by_tile.narrow(3, scales, codes).reshape({tiles, blocks, TILE * codes});
+  // A block stores its fp16 scales first, d (and m or dmin), then Q4_K's sub-block scales, then codes.
+  auto c = by_tile.narrow(3, scales + sub, codes).reshape({tiles, blocks, TILE * codes});
+  auto k = by_tile.narrow(3, scales, sub).reshape({tiles, blocks, TILE * sub});
   auto s = by_tile.narrow(3, 0, scales).reshape({tiles, blocks, TILE, scales / 2, 2}).transpose(2, 3)
                .reshape({tiles, blocks, TILE * scales});  // [d0 d1 d2 d3 (m0 m1 m2 m3)]
-  return {at::cat({c, s}, 2).contiguous(), out, 0.f, t};
+  return {at::cat({c, k, s}, 2).contiguous(), out, 0.f, t};
 }
 
 // What a pass keeps of its rounded activations between matrices.
@@ -633,38 +705,39 @@ void check_ggml_tiles(const at::Tensor& tiles, int64_t out, Ggml t) {
 
 }  // namespace
 
-// What the tiles hold, decoded by the kernel's own code: the codes int8 [out, in] (Q4_*: 0 .. 15 as
-// stored; Q8_0: signed) and the scales d and m fp32 [out, in / 32] (m zero but for Q4_1). Tests
-// rebuild the weights from them as ggml does (d (q - 8), d q + m, d q) and compare bit for bit.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> unpack_ggml(const at::Tensor& tiles, int64_t out, int64_t type) {
-  const Ggml t = ggml_format(type);
-  check_ggml_tiles(tiles, out, t);
-  const int64_t blocks = tiles.size(1), codes = q_code_bytes(t), bytes = q_tile_bytes(t);
-  auto q = at::empty({out, blocks * Q_BLOCK}, tiles.options().dtype(at::kChar));
-  auto d = at::zeros({out, blocks}, tiles.options().dtype(at::kFloat));
-  auto m = at::zeros({out, blocks}, tiles.options().dtype(at::kFloat));
-  const uint8_t* base = tiles.data_ptr<uint8_t>();
-  for (int64_t tile = 0; tile < tiles.size(0); ++tile)
-    for (int64_t c = 0; c < blocks; ++c) {
-      const uint8_t* wc = base + (tile * blocks + c) * bytes;
-      alignas(32) float dm[2 * TILE];
-      simd::q_scales(wc + TILE * codes, dm, t == Ggml::Q4_1 ? 2 * TILE : TILE);
-      for (int64_t j = 0; j < TILE && tile * TILE + j < out; ++j) {
-        const int64_t row = tile * TILE + j, first = j / simd::QJ * simd::QJ;  // the decode takes QJ rows
-        const simd::QCodes w =
-            t == Ggml::Q8_0 ? simd::q8_decode(wc + first * codes) : simd::q4_decode(wc + first * codes);
-        simd::q_store(q.data_ptr<int8_t>() + row * blocks * Q_BLOCK + c * Q_BLOCK, w, j % simd::QJ);
-        d.data_ptr<float>()[row * blocks + c] = dm[j];
-        if (t == Ggml::Q4_1) m.data_ptr<float>()[row * blocks + c] = dm[TILE + j];
-      }
-    }
-  return {q, d, m};
-}
-
 namespace {
 
-// One row's block of dense weights from its codes, formed as ggml forms them (Q4_1: d q, rounded, then
-// + m, rounded; no fused multiply-add), so that the fp32 result is the gguf package's bit for bit.
+// Each of the first `rows` rows of one tile's block (Q4_K: super-block), decoded by the kernel's own
+// code, by sub-block of 32: f(row, sub-block, its 32 codes, d, m), with m zero but for Q4_1 and Q4_K
+// (Q4_K: d = d sc and m = -(dmin mn), as `q4k_tile_rows` reads them).
+template <typename F>
+void each_block(const uint8_t* wc, Ggml t, int64_t rows, F f) {
+  alignas(64) int8_t q[simd::QJ * Q_BLOCK];
+  alignas(32) float dm[2 * TILE] = {};
+  const int64_t codes = q_code_bytes(t);
+  if (t == Ggml::Q4_K) {
+    float ds[K_SUB][TILE], ms[K_SUB][TILE];
+    simd::q_scales(wc + TILE * (codes + 12), dm, 2 * TILE);
+    for (int j = 0; j < TILE; ++j) q4k_sub_scales(wc + TILE * codes + j * 12, dm[j], dm[TILE + j], &ds[0][j], &ms[0][j], TILE);
+    for (int64_t j = 0; j < rows; ++j)
+      for (int s = 0; s < K_SUB; ++s) {
+        const int64_t first = j / simd::QJ * simd::QJ;  // the decode takes QJ rows
+        simd::q_store(q, simd::q4k_decode(wc + first * codes + s / 2 * 32, codes, s % 2), j % simd::QJ);
+        f(j, s, q, ds[s][j], ms[s][j]);
+      }
+    return;
+  }
+  simd::q_scales(wc + TILE * codes, dm, t == Ggml::Q4_1 ? 2 * TILE : TILE);
+  for (int64_t j = 0; j < rows; ++j) {
+    const int64_t first = j / simd::QJ * simd::QJ;
+    simd::q_store(q, t == Ggml::Q8_0 ? simd::q8_decode(wc + first * codes) : simd::q4_decode(wc + first * codes),
+                  j % simd::QJ);
+    f(j, 0, q, dm[j], t == Ggml::Q4_1 ? dm[TILE + j] : 0.f);
+  }
+}
+
+// One sub-block of dense weights from its codes, formed as ggml forms them (Q4_1 and Q4_K: d q,
+// rounded, then + m, rounded; no fused multiply-add), so that fp32 is the gguf package's bit for bit.
 template <typename T>
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fp-contract=off")))
@@ -672,7 +745,7 @@ __attribute__((optimize("fp-contract=off")))
 void dequantize_block(const int8_t* q, float d, float m, Ggml t, T* w) {
   for (int64_t i = 0; i < Q_BLOCK; ++i) {
     const float code = static_cast<float>(q[i]);
-    const float v = t == Ggml::Q4_0 ? d * (code - 8.f) : t == Ggml::Q4_1 ? d * code + m : d * code;
+    const float v = t == Ggml::Q4_0 ? d * (code - 8.f) : t == Ggml::Q8_0 ? d * code : d * code + m;
     if constexpr (std::is_same_v<T, bf16>) {
       w[i] = simd::to_bf16(v);
     } else {
@@ -683,27 +756,43 @@ void dequantize_block(const int8_t* q, float d, float m, Ggml t, T* w) {
 
 template <typename T>
 void dequantize_tiles(const at::Tensor& tiles, int64_t out, Ggml t, T* w) {
-  const int64_t blocks = tiles.size(1), codes = q_code_bytes(t), bytes = q_tile_bytes(t), in = blocks * Q_BLOCK;
+  const int64_t chunks = tiles.size(1), bytes = q_tile_bytes(t), per = q_block_weights(t), in = chunks * per;
   const uint8_t* base = tiles.data_ptr<uint8_t>();
   at::parallel_for(0, tiles.size(0), 8, [&](int64_t t0, int64_t t1) {
-    alignas(64) int8_t q[simd::QJ * Q_BLOCK];
     for (int64_t tile = t0; tile < t1; ++tile)
-      for (int64_t c = 0; c < blocks; ++c) {
-        const uint8_t* wc = base + (tile * blocks + c) * bytes;
-        alignas(32) float dm[2 * TILE] = {};
-        simd::q_scales(wc + TILE * codes, dm, t == Ggml::Q4_1 ? 2 * TILE : TILE);
-        for (int64_t j = 0; j < TILE && tile * TILE + j < out; ++j) {
-          const int64_t first = j / simd::QJ * simd::QJ;  // the decode takes QJ rows
-          const simd::QCodes codes_j =
-              t == Ggml::Q8_0 ? simd::q8_decode(wc + first * codes) : simd::q4_decode(wc + first * codes);
-          simd::q_store(q, codes_j, j % simd::QJ);
-          dequantize_block(q, dm[j], dm[TILE + j], t, w + (tile * TILE + j) * in + c * Q_BLOCK);
-        }
-      }
+      for (int64_t c = 0; c < chunks; ++c)
+        each_block(base + (tile * chunks + c) * bytes, t, std::min(TILE, out - tile * TILE),
+                   [&](int64_t j, int s, const int8_t* q, float d, float m) {
+                     dequantize_block(q, d, m, t, w + (tile * TILE + j) * in + c * per + s * Q_BLOCK);
+                   });
   });
 }
 
 }  // namespace
+
+// What the tiles hold, decoded by the kernel's own code: the codes int8 [out, in] (Q4_*: 0 .. 15 as
+// stored; Q8_0: signed) and each 32 weights' d and m fp32 [out, in / 32] (m zero but for Q4_1, and
+// Q4_K's -(dmin mn)). Tests rebuild the weights from them as ggml does (d (q - 8), d q + m, d q) and
+// compare bit for bit.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> unpack_ggml(const at::Tensor& tiles, int64_t out, int64_t type) {
+  const Ggml t = ggml_format(type);
+  check_ggml_tiles(tiles, out, t);
+  const int64_t chunks = tiles.size(1), bytes = q_tile_bytes(t), per = q_block_weights(t), in = chunks * per;
+  auto q = at::empty({out, in}, tiles.options().dtype(at::kChar));
+  auto d = at::zeros({out, in / Q_BLOCK}, tiles.options().dtype(at::kFloat));
+  auto m = at::zeros({out, in / Q_BLOCK}, tiles.options().dtype(at::kFloat));
+  const uint8_t* base = tiles.data_ptr<uint8_t>();
+  for (int64_t tile = 0; tile < tiles.size(0); ++tile)
+    for (int64_t c = 0; c < chunks; ++c)
+      each_block(base + (tile * chunks + c) * bytes, t, std::min(TILE, out - tile * TILE),
+                 [&](int64_t j, int s, const int8_t* codes, float dj, float mj) {
+                   const int64_t row = tile * TILE + j, block = c * (per / Q_BLOCK) + s;
+                   std::memcpy(q.data_ptr<int8_t>() + row * in + block * Q_BLOCK, codes, Q_BLOCK);
+                   d.data_ptr<float>()[row * (in / Q_BLOCK) + block] = dj;
+                   m.data_ptr<float>()[row * (in / Q_BLOCK) + block] = mj;
+                 });
+  return {q, d, m};
+}
 
 // The dense weight [out, in] (fp32 or bf16) that `pack_ggml`'s tiles stand for, made in one parallel
 // pass: what a pass of many rows multiplies by (prefill chunks; oneDNN's GEMM reuses each weight
@@ -713,7 +802,7 @@ at::Tensor dequantize_ggml(const at::Tensor& tiles, int64_t out, int64_t type, b
   const Ggml t = ggml_format(type);
   check_ggml_tiles(tiles, out, t);
   const at::ScalarType dtype = bfloat16 ? at::kBFloat16 : at::kFloat;
-  auto w = at::empty({out, tiles.size(1) * Q_BLOCK}, tiles.options().dtype(dtype));
+  auto w = at::empty({out, tiles.size(1) * q_block_weights(t)}, tiles.options().dtype(dtype));
   pybind11::gil_scoped_release nogil;
   if (dtype == at::kFloat) {
     dequantize_tiles(tiles, out, t, w.data_ptr<float>());

@@ -36,6 +36,7 @@
 //                            accumulator of 8 fp32 lanes per row for them (simd_ggml_x86.h says how)
 //   q_scales(h, out, n)      n (4 or 8) fp16 scales -> fp32, exactly
 //   q4_decode(qs), q8_decode(qs)  QJ rows' 16 nibble bytes (Q4_0, Q4_1) or 32 int8 (Q8_0) -> QCodes
+//   q4k_decode(qs, stride, high)  QJ rows' (stride bytes apart) low or high nibbles of 32 bytes (Q4_K)
 //   q_madd<SIGNED, OFFSET, MIN>(acc, w, d, m, xq, xs, xo, xf)  acc + the rows' block products with int8
 //                            activations xq [32] of scale xs, lane sums xo [8] (4 activations each) and
 //                            xf [8] (those times xs): lane l adds m x xf[l] for MIN, then the exact

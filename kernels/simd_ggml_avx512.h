@@ -39,6 +39,14 @@ inline QCodes q4_decode(const uint8_t* qs) {
   return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
 }
 
+// Q4_K: one nibble of 32 bytes of each of two rows `stride` bytes apart -> [row j | row j + 1].
+inline QCodes q4k_decode(const uint8_t* qs, int64_t stride, bool high) {
+  const __m512i raw = _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + stride)), 1);
+  return _mm512_and_si512(high ? _mm512_srli_epi16(raw, 4) : raw, _mm512_set1_epi8(0x0F));
+}
+
 inline QCodes q8_decode(const uint8_t* qs) { return _mm512_loadu_si512(qs); }
 
 inline void q_store(int8_t* out, QCodes q, int row) {

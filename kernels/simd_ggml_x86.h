@@ -47,6 +47,13 @@ inline QCodes q4_decode(const uint8_t* qs) {
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), nibble), _mm_and_si128(raw, nibble));
 }
 
+// Q4_K: one nibble of 32 bytes (the high ones when `high`) -> 32 codes in element order; `stride`
+// (bytes between tile rows) is for the AVX-512 form, which takes two rows.
+inline QCodes q4k_decode(const uint8_t* qs, int64_t /*stride*/, bool high) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+  return _mm256_and_si256(high ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(0x0F));
+}
+
 inline QCodes q8_decode(const uint8_t* qs) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)); }
 
 inline void q_store(int8_t* out, QCodes q, int /*row*/) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), q); }

@@ -150,6 +150,12 @@ inline QCodes q4_decode(const uint8_t* qs) {
   return w;
 }
 
+inline QCodes q4k_decode(const uint8_t* qs, int64_t /*stride*/, bool high) {
+  QCodes w;
+  for (int i = 0; i < 32; ++i) w.q[i] = static_cast<int8_t>(high ? qs[i] >> 4 : qs[i] & 0xF);
+  return w;
+}
+
 inline QCodes q8_decode(const uint8_t* qs) {
   QCodes w;
   std::memcpy(w.q, qs, 32);

@@ -133,8 +133,8 @@ def gguf_modules(path: Path, stored: StoredModel, device: torch.device) -> dict[
         else:
             dense.append(module)
     if dense:
-        log.warning("weights 'gguf': %d of %d linear modules are not in one of Q4_0, Q4_1 or Q8_0 and stay dense: %s",
-                    len(dense), len(dense) + len(modules), ", ".join(dense[:5]))
+        log.warning("weights 'gguf': %d of %d linear modules are not in one of Q4_0, Q4_1, Q8_0, Q4_K and stay "
+                    "dense: %s", len(dense), len(dense) + len(modules), ", ".join(dense[:5]))
     return modules
 
 

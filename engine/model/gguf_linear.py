@@ -1,10 +1,10 @@
-"""GGUF block weights in a `Transformer`: linear layers served from a GGUF file's own Q4_0, Q4_1 and
-Q8_0 blocks by the C++ kernel (`linear_ggml` in `kernels/cpu_decode.cpp`), on the CPU.
+"""GGUF block weights in a `Transformer`: linear layers served from a GGUF file's own Q4_0, Q4_1,
+Q8_0 and Q4_K blocks by the C++ kernel (`linear_ggml` in `kernels/cpu_decode.cpp`), on the CPU.
 
 `apply_gguf(model, blocks)` replaces the named `nn.Linear` modules (module paths as
 `Transformer.named_modules` gives them: `layers.0.attn.qkv`, `lm_head`, ...) by `GgufLinear`s holding
-the kernel's tiles of those blocks: the file's bytes reordered, 4.5 (Q4_0), 5 (Q4_1) or 8.5 (Q8_0)
-bits per weight, and nothing else. No dense copy is kept: every pass, prefill chunks included, runs
+the kernel's tiles of those blocks: the file's bytes reordered, 4.5 (Q4_0, Q4_K), 5 (Q4_1) or 8.5
+(Q8_0) bits per weight, and nothing else. No dense copy is kept: every pass, prefill chunks included, runs
 from the tiles. A fused module (qkv, gate_up) stacks the rows of its parts, which must share one
 format. `weight` dequantizes on each read (the drafter's trimmed head reads it once).
 
@@ -22,15 +22,14 @@ from torch import nn
 
 from specloop.kernels.cpu_decode import cpu_plan
 
-# ggml type id -> (name, bytes per block of 32 weights): the block formats the kernel reads.
-BLOCK_FORMATS = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
-BLOCK = 32  # weights per block, along a row
+# ggml type id -> (name, bytes per block, weights per block along a row): the formats the kernel reads.
+BLOCK_FORMATS = {2: ("Q4_0", 18, 32), 3: ("Q4_1", 20, 32), 8: ("Q8_0", 34, 32), 12: ("Q4_K", 144, 256)}
 KERNEL_ROWS = 64  # passes of more rows multiply the weight dequantized for the pass (see `forward`)
 
 
 @dataclass(frozen=True)
 class GgufBlocks:
-    """A weight `[out, in]` as a GGUF file stores it: rows of blocks, `raw` uint8 `[out, in / 32 x bytes]`."""
+    """A weight `[out, in]` as a GGUF file stores it: rows of blocks, `raw` uint8 `[out, blocks x bytes]`."""
 
     ggml_type: int
     raw: torch.Tensor
@@ -38,15 +37,16 @@ class GgufBlocks:
     def __post_init__(self) -> None:
         if self.ggml_type not in BLOCK_FORMATS:
             raise ValueError(f"ggml_type: {self.ggml_type} is not a block format the kernel reads "
-                             f"({', '.join(f'{n} = {t}' for t, (n, _) in BLOCK_FORMATS.items())})")
-        block_bytes = BLOCK_FORMATS[self.ggml_type][1]
+                             f"({', '.join(f'{n} = {t}' for t, (n, _, _) in BLOCK_FORMATS.items())})")
+        _, block_bytes, weights = BLOCK_FORMATS[self.ggml_type]
         if self.raw.dtype != torch.uint8 or self.raw.ndim != 2 or self.raw.shape[1] % block_bytes:
-            raise ValueError(f"raw: expected uint8 [out, in / 32 x {block_bytes}], got {self.raw.dtype} "
+            raise ValueError(f"raw: expected uint8 [out, in / {weights} x {block_bytes}], got {self.raw.dtype} "
                              f"{tuple(self.raw.shape)}")
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.raw.shape[0], self.raw.shape[1] // BLOCK_FORMATS[self.ggml_type][1] * BLOCK
+        _, block_bytes, weights = BLOCK_FORMATS[self.ggml_type]
+        return self.raw.shape[0], self.raw.shape[1] // block_bytes * weights
 
     @property
     def format(self) -> str:

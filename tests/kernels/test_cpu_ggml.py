@@ -13,7 +13,8 @@ from gguf.quants import dequantize, quantize
 from specloop.kernels.cpu_decode import load
 from specloop.kernels.cpu_features import Isa
 
-FORMATS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
+FORMATS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K]
+Q4_K = GGMLQuantizationType.Q4_K
 
 
 @pytest.fixture
@@ -26,10 +27,23 @@ def kernel(kernel_isa: Isa) -> ModuleType:
 def gguf_tensor(shape: tuple[int, int], qtype: GGMLQuantizationType, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
     """A random weight in `qtype` as the file stores it (uint8 [out, row bytes]) and its dequantization."""
     rng = np.random.default_rng(seed)
-    w = (rng.standard_normal(shape) * shape[1] ** -0.5).astype(np.float32)
-    w[0, :32] = 0.0  # an all-zero block: scale 0
-    raw = quantize(w, qtype)
+    if qtype == Q4_K:
+        raw = q4_k_blocks(shape, rng)
+    else:
+        w = (rng.standard_normal(shape) * shape[1] ** -0.5).astype(np.float32)
+        w[0, :32] = 0.0  # an all-zero block: scale 0
+        raw = quantize(w, qtype)
     return torch.from_numpy(np.ascontiguousarray(raw)), dequantize(raw, qtype)
+
+
+def q4_k_blocks(shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
+    """Random Q4_K super-blocks (the gguf package dequantizes them but cannot quantize): every code and
+    6-bit scale byte random, d and dmin fp16 scales of a typical weight (sub-block scales up to 63)."""
+    out, n_in = shape
+    blocks = rng.integers(0, 256, (out, n_in // 256, 144), dtype=np.uint8)
+    scale = (rng.uniform(0.5, 1.5, (out, n_in // 256, 2)) * n_in ** -0.5 / 63 / 8).astype(np.float16)
+    blocks[:, :, :4] = scale.view(np.uint8)
+    return blocks.reshape(out, -1)
 
 
 def relative_l2(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -37,7 +51,7 @@ def relative_l2(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
-@pytest.mark.parametrize("shape", [(1, 32), (7, 96), (130, 576)])
+@pytest.mark.parametrize("shape", [(1, 256), (7, 512), (130, 768)])
 def test_tiles_decode_to_the_gguf_reference_bit_for_bit(kernel: ModuleType, qtype: GGMLQuantizationType,
                                                         shape: tuple[int, int]) -> None:
     raw, reference = gguf_tensor(shape, qtype)
@@ -47,8 +61,10 @@ def test_tiles_decode_to_the_gguf_reference_bit_for_bit(kernel: ModuleType, qtyp
     d, m = d.numpy()[..., None], m.numpy()[..., None]
     # As ggml (and the gguf package) form each weight: two roundings for Q4_1, one otherwise.
     rebuilt = {GGMLQuantizationType.Q4_0: lambda: d * (codes - 8), GGMLQuantizationType.Q4_1: lambda: d * codes + m,
-               GGMLQuantizationType.Q8_0: lambda: d * codes}[qtype]().reshape(shape)
+               GGMLQuantizationType.Q8_0: lambda: d * codes, Q4_K: lambda: d * codes + m}[qtype]().reshape(shape)
     np.testing.assert_array_equal(rebuilt.view(np.uint32), reference.astype(np.float32).view(np.uint32))
+    dense = kernel.dequantize_ggml(kernel.pack_ggml(raw, int(qtype)), shape[0], int(qtype), False)
+    np.testing.assert_array_equal(dense.numpy().view(np.uint32), reference.astype(np.float32).view(np.uint32))
 
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
@@ -56,9 +72,9 @@ def test_tiles_decode_to_the_gguf_reference_bit_for_bit(kernel: ModuleType, qtyp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_matches_the_dequantized_weights(kernel: ModuleType, qtype: GGMLQuantizationType, rows: int,
                                                 dtype: torch.dtype) -> None:
-    raw, reference = gguf_tensor((200, 576), qtype, seed=rows)
+    raw, reference = gguf_tensor((200, 768), qtype, seed=rows)
     torch.manual_seed(rows)
-    x = torch.randn(rows, 576).to(dtype)
+    x = torch.randn(rows, 768).to(dtype)
     expected = x.float() @ torch.from_numpy(reference).T
     got = kernel.linear_ggml(x, kernel.pack_ggml(raw, int(qtype)), 200, int(qtype))
     assert got.shape == (rows, 200) and got.dtype == dtype
@@ -78,9 +94,9 @@ def test_bias_and_leading_dims(kernel: ModuleType) -> None:
 
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
 def test_rows_do_not_depend_on_the_batch(kernel: ModuleType, qtype: GGMLQuantizationType) -> None:
-    raw, _ = gguf_tensor((300, 576), qtype)
+    raw, _ = gguf_tensor((300, 512), qtype)
     tiles = kernel.pack_ggml(raw, int(qtype))
-    x = torch.randn(11, 576)
+    x = torch.randn(11, 512)
     batched = kernel.linear_ggml(x, tiles, 300, int(qtype))
     for i in range(11):
         assert torch.equal(kernel.linear_ggml(x[i:i + 1], tiles, 300, int(qtype)), batched[i:i + 1])
@@ -99,8 +115,8 @@ def test_extreme_codes_stay_exact(kernel: ModuleType) -> None:
 
 def test_bad_input_is_refused(kernel: ModuleType) -> None:
     raw, _ = gguf_tensor((8, 64), GGMLQuantizationType.Q4_1)
-    with pytest.raises(RuntimeError, match="ggml_type: 12 is not a block format"):
-        kernel.pack_ggml(raw, 12)  # Q4_K
+    with pytest.raises(RuntimeError, match="ggml_type: 14 is not a block format"):
+        kernel.pack_ggml(raw, 14)  # Q6_K
     with pytest.raises(RuntimeError, match="whole blocks of 18 bytes"):
         kernel.pack_ggml(raw, int(GGMLQuantizationType.Q4_0))  # Q4_1 rows (20-byte blocks) called Q4_0
     tiles = kernel.pack_ggml(raw, int(GGMLQuantizationType.Q4_1))

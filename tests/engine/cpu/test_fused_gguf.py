@@ -125,8 +125,8 @@ def test_the_weight_reads_back_as_the_blocks_dequantized(qtype: GGMLQuantization
 
 
 def test_bad_blocks_are_refused() -> None:
-    with pytest.raises(ValueError, match="ggml_type: 12 is not a block format"):
-        GgufBlocks(12, torch.zeros(4, 144, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="ggml_type: 14 is not a block format"):
+        GgufBlocks(14, torch.zeros(4, 210, dtype=torch.uint8))  # Q6_K
     with pytest.raises(ValueError, match=r"raw: expected uint8 \[out, in / 32 x 20\]"):
         GgufBlocks(3, torch.zeros(4, 30, dtype=torch.uint8))
     q4_0 = GgufBlocks(2, torch.zeros(4, 18, dtype=torch.uint8))
