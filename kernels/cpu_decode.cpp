@@ -146,19 +146,24 @@ void check_matrix(const at::Tensor& t, at::ScalarType dtype, const char* name) {
 
 // The formats of GGUF blocks the kernel reads as they are (simd_ggml_x86.h), numbered as ggml's
 // `ggml_type` does, so the Python side passes a GGUF tensor's type id unchanged.
-enum class Ggml : int64_t { NONE = -1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12 };
-constexpr int64_t Q_BLOCK = 32;  // weights per GGUF block (per Q4_K sub-block), along a row
-constexpr int64_t K_BLOCK = 256, K_SUB = K_BLOCK / Q_BLOCK;  // a Q4_K super-block: 8 sub-blocks of 32
+enum class Ggml : int64_t { NONE = -1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
+constexpr int64_t Q_BLOCK = 32;  // weights per GGUF block (per K-quant sub-block), along a row
+constexpr int64_t K_BLOCK = 256, K_SUB = K_BLOCK / Q_BLOCK;  // a K-quant super-block: 8 sub-blocks of 32
+bool k_quant(Ggml t) { return t == Ggml::Q4_K || t == Ggml::Q6_K; }
 // Bytes of a GGUF tile prefetched ahead of the one being read, on every build: SmolLM2's 211 Q4_1 and
 // Q8_0 matrices (96 MB) at one row took 12.45 ms without and 5.60 ms with it (AVX-512 build, AMX Xeon,
 // 2 threads): without it the hardware prefetcher alone fell behind the tiles' 72-136 byte blocks.
 constexpr int64_t Q_PREFETCH = 4096;
 
-// Per row and block (Q4_K: super-block): weights, bytes of codes, of 6-bit sub-block scales (Q4_K's
-// 12) and of fp16 scales (d; d and m for Q4_1; d and dmin for Q4_K), as the file stores them.
-int64_t q_block_weights(Ggml t) { return t == Ggml::Q4_K ? K_BLOCK : Q_BLOCK; }
-int64_t q_code_bytes(Ggml t) { return t == Ggml::Q4_K ? 128 : t == Ggml::Q8_0 ? 32 : 16; }
-int64_t q_sub_scale_bytes(Ggml t) { return t == Ggml::Q4_K ? 12 : 0; }
+// Per row and block (K-quants: super-block): weights, bytes of codes (Q6_K: 128 of low nibbles, then
+// 64 of high 2-bit pairs), of sub-block scales (Q4_K: 12 of 6-bit scales and minima; Q6_K: 16 int8)
+// and of fp16 scales (d; d and m for Q4_1; d and dmin for Q4_K), as the file stores them. A block
+// stores the fp16 scales first, then the sub-block scales, then the codes; Q6_K the other way round.
+int64_t q_block_weights(Ggml t) { return k_quant(t) ? K_BLOCK : Q_BLOCK; }
+int64_t q_code_bytes(Ggml t) {
+  return t == Ggml::Q6_K ? 192 : t == Ggml::Q4_K ? 128 : t == Ggml::Q8_0 ? 32 : 16;
+}
+int64_t q_sub_scale_bytes(Ggml t) { return t == Ggml::Q6_K ? 16 : t == Ggml::Q4_K ? 12 : 0; }
 int64_t q_scale_bytes(Ggml t) { return t == Ggml::Q4_1 || t == Ggml::Q4_K ? 4 : 2; }
 int64_t q_block_bytes(Ggml t) { return q_code_bytes(t) + q_sub_scale_bytes(t) + q_scale_bytes(t); }
 int64_t q_tile_bytes(Ggml t) { return TILE * q_block_bytes(t); }
@@ -438,11 +443,58 @@ void q4k_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float*
       y[g * out + first + j] = simd::q_reduce(acc[g][j / simd::QJ], j % simd::QJ);
 }
 
+// A Q6_K row's 16 int8 scales (one per 16 weights) times its fp16 d, as ggml forms them: for
+// sub-block s of 32, ds[s] holds the pair for its two halves.
+void q6k_sub_scales(const uint8_t* q, float d, float* ds, int64_t stride) {
+  for (int j = 0; j < K_SUB; ++j)
+    for (int h = 0; h < 2; ++h) ds[j * stride + h] = d * static_cast<float>(static_cast<int8_t>(q[2 * j + h]));
+}
+
+// `ggml_tile_rows` for Q6_K tiles: codes 0 .. 63 (4 low bits from `ql`, 2 high from `qh`) less 32,
+// one scale per 16 weights, so each sub-block of 32 takes two scales, one per half of its lanes.
+template <int G>
+void q6k_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* y, int64_t in, int64_t out,
+                   int64_t first) {
+  constexpr int PAIRS = TILE / simd::QJ;
+  constexpr int64_t CODES = 192, SUB = 16, BYTES = TILE * (CODES + SUB + 2);
+  const int64_t supers = in / K_BLOCK, blocks = in / Q_BLOCK;
+  simd::QAcc acc[G][PAIRS];
+  for (int g = 0; g < G; ++g)
+    for (int p = 0; p < PAIRS; ++p) acc[g][p] = simd::q_zero();
+  for (int64_t c = 0; c < supers; ++c) {
+    const uint8_t* wc = tile + c * BYTES;
+    for (int64_t line = 0; line < BYTES; line += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(wc) + Q_PREFETCH + line);
+    alignas(32) float d[TILE], ds[K_SUB][TILE][2];  // [sub-block][row][half]
+    simd::q_scales(wc + TILE * (CODES + SUB), d, TILE);
+    for (int j = 0; j < TILE; ++j) q6k_sub_scales(wc + TILE * CODES + j * SUB, d[j], &ds[0][j][0], TILE * 2);
+    for (int s = 0; s < K_SUB; ++s) {
+      simd::QScale xs[G];
+      for (int g = 0; g < G; ++g) xs[g] = simd::q_splat(x.scales[(m0 + g) * blocks + c * K_SUB + s]);
+      for (int p = 0; p < PAIRS; ++p) {
+        const int j = p * simd::QJ;
+        const simd::QCodes w = simd::q6k_decode(wc + j * CODES, CODES, s);
+        const simd::QScale dh = simd::q_half_scales(&ds[s][j][0]);
+        for (int g = 0; g < G; ++g) {
+          const int64_t b = (m0 + g) * blocks + c * K_SUB + s;
+          acc[g][p] = simd::q_madd<false, 32, false>(acc[g][p], w, dh, dh, x.q.data() + b * Q_BLOCK, xs[g],
+                                                     x.sums.data() + b * 8, x.scaled.data() + b * 8);
+        }
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < TILE && first + j < out; ++j)
+      y[g * out + first + j] = simd::q_reduce(acc[g][j / simd::QJ], j % simd::QJ);
+}
+
 template <Ggml T, int G>
 void tile_rows_of(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* y, int64_t in, int64_t out,
                   int64_t first) {
   if constexpr (T == Ggml::Q4_K) {
     q4k_tile_rows<G>(tile, x, m0, y, in, out, first);
+  } else if constexpr (T == Ggml::Q6_K) {
+    q6k_tile_rows<G>(tile, x, m0, y, in, out, first);
   } else {
     ggml_tile_rows<T, G>(tile, x, m0, y, in, out, first);
   }
@@ -478,6 +530,7 @@ void matmul_ggml(const float* x, const Packed& w, const float* bias, float* y, i
     case Ggml::Q4_1: return matmul_ggml_as<Ggml::Q4_1>(x, w, bias, y, M, xq);
     case Ggml::Q8_0: return matmul_ggml_as<Ggml::Q8_0>(x, w, bias, y, M, xq);
     case Ggml::Q4_K: return matmul_ggml_as<Ggml::Q4_K>(x, w, bias, y, M, xq);
+    case Ggml::Q6_K: return matmul_ggml_as<Ggml::Q6_K>(x, w, bias, y, M, xq);
     case Ggml::NONE: break;
   }
   TORCH_CHECK(false, "not a GGUF block format");
@@ -485,8 +538,9 @@ void matmul_ggml(const float* x, const Packed& w, const float* bias, float* y, i
 
 Ggml ggml_format(int64_t type) {
   TORCH_CHECK(type == int64_t(Ggml::Q4_0) || type == int64_t(Ggml::Q4_1) || type == int64_t(Ggml::Q8_0) ||
-                  type == int64_t(Ggml::Q4_K),
-              "ggml_type: ", type, " is not a block format the kernel reads (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12)");
+                  type == int64_t(Ggml::Q4_K) || type == int64_t(Ggml::Q6_K),
+              "ggml_type: ", type,
+              " is not a block format the kernel reads (Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14)");
   return static_cast<Ggml>(type);
 }
 
@@ -504,10 +558,10 @@ Packed pack_ggml_matrix(const at::Tensor& raw, int64_t type) {
   auto padded = at::zeros({tiles * TILE, blocks, block}, raw.options());  // rows past `out`: scale 0
   padded.narrow(0, 0, out).copy_(raw.view({out, blocks, block}));
   auto by_tile = padded.view({tiles, TILE, blocks, block}).transpose(1, 2);  // [tiles, blocks, 4, block]
-  // A block stores its fp16 scales first, d (and m or dmin), then Q4_K's sub-block scales, then codes.
-  auto c = by_tile.narrow(3, scales + sub, codes).reshape({tiles, blocks, TILE * codes});
-  auto k = by_tile.narrow(3, scales, sub).reshape({tiles, blocks, TILE * sub});
-  auto s = by_tile.narrow(3, 0, scales).reshape({tiles, blocks, TILE, scales / 2, 2}).transpose(2, 3)
+  const bool last = t == Ggml::Q6_K;  // codes, sub-block scales, then d; else d (m, dmin) first
+  auto c = by_tile.narrow(3, last ? 0 : scales + sub, codes).reshape({tiles, blocks, TILE * codes});
+  auto k = by_tile.narrow(3, last ? codes : scales, sub).reshape({tiles, blocks, TILE * sub});
+  auto s = by_tile.narrow(3, last ? codes + sub : 0, scales).reshape({tiles, blocks, TILE, scales / 2, 2}).transpose(2, 3)
                .reshape({tiles, blocks, TILE * scales});  // [d0 d1 d2 d3 (m0 m1 m2 m3)]
   return {at::cat({c, k, s}, 2).contiguous(), out, 0.f, t};
 }
@@ -699,7 +753,7 @@ namespace {
 
 void check_ggml_tiles(const at::Tensor& tiles, int64_t out, Ggml t) {
   TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.dim() == 3 && tiles.size(2) == q_tile_bytes(t) &&
-                  tiles.is_contiguous() && tiles.size(0) == (out + TILE - 1) / TILE,
+                  tiles.is_contiguous() && tiles.size(0) == (out + TILE - 1) / TILE && tiles.size(1) > 0 && out > 0,
               "tiles: expected the output of pack_ggml() for a weight of this type with `out` rows");
 }
 
@@ -707,14 +761,26 @@ void check_ggml_tiles(const at::Tensor& tiles, int64_t out, Ggml t) {
 
 namespace {
 
-// Each of the first `rows` rows of one tile's block (Q4_K: super-block), decoded by the kernel's own
-// code, by sub-block of 32: f(row, sub-block, its 32 codes, d, m), with m zero but for Q4_1 and Q4_K
-// (Q4_K: d = d sc and m = -(dmin mn), as `q4k_tile_rows` reads them).
+// Each of the first `rows` rows of one tile's block (K-quants: super-block), decoded by the kernel's
+// own code, by sub-block of 32: f(row, sub-block, its 32 codes, d of each half, m), with m zero but
+// for Q4_1 and Q4_K (Q4_K: d = d sc and m = -(dmin mn); Q6_K: d sc of each 16; as the kernel reads them).
 template <typename F>
 void each_block(const uint8_t* wc, Ggml t, int64_t rows, F f) {
   alignas(64) int8_t q[simd::QJ * Q_BLOCK];
   alignas(32) float dm[2 * TILE] = {};
   const int64_t codes = q_code_bytes(t);
+  if (t == Ggml::Q6_K) {
+    float ds[K_SUB][TILE][2];
+    simd::q_scales(wc + TILE * (codes + 16), dm, TILE);
+    for (int j = 0; j < TILE; ++j) q6k_sub_scales(wc + TILE * codes + j * 16, dm[j], &ds[0][j][0], TILE * 2);
+    for (int64_t j = 0; j < rows; ++j)
+      for (int s = 0; s < K_SUB; ++s) {
+        const int64_t first = j / simd::QJ * simd::QJ;
+        simd::q_store(q, simd::q6k_decode(wc + first * codes, codes, s), j % simd::QJ);
+        f(j, s, q, ds[s][j], 0.f);
+      }
+    return;
+  }
   if (t == Ggml::Q4_K) {
     float ds[K_SUB][TILE], ms[K_SUB][TILE];
     simd::q_scales(wc + TILE * (codes + 12), dm, 2 * TILE);
@@ -723,7 +789,8 @@ void each_block(const uint8_t* wc, Ggml t, int64_t rows, F f) {
       for (int s = 0; s < K_SUB; ++s) {
         const int64_t first = j / simd::QJ * simd::QJ;  // the decode takes QJ rows
         simd::q_store(q, simd::q4k_decode(wc + first * codes + s / 2 * 32, codes, s % 2), j % simd::QJ);
-        f(j, s, q, ds[s][j], ms[s][j]);
+        const float both[2] = {ds[s][j], ds[s][j]};
+        f(j, s, q, both, ms[s][j]);
       }
     return;
   }
@@ -732,7 +799,8 @@ void each_block(const uint8_t* wc, Ggml t, int64_t rows, F f) {
     const int64_t first = j / simd::QJ * simd::QJ;
     simd::q_store(q, t == Ggml::Q8_0 ? simd::q8_decode(wc + first * codes) : simd::q4_decode(wc + first * codes),
                   j % simd::QJ);
-    f(j, 0, q, dm[j], t == Ggml::Q4_1 ? dm[TILE + j] : 0.f);
+    const float both[2] = {dm[j], dm[j]};
+    f(j, 0, q, both, t == Ggml::Q4_1 ? dm[TILE + j] : 0.f);
   }
 }
 
@@ -742,10 +810,13 @@ template <typename T>
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("fp-contract=off")))
 #endif
-void dequantize_block(const int8_t* q, float d, float m, Ggml t, T* w) {
+void dequantize_block(const int8_t* q, const float* d16, float m, Ggml t, T* w) {
   for (int64_t i = 0; i < Q_BLOCK; ++i) {
-    const float code = static_cast<float>(q[i]);
-    const float v = t == Ggml::Q4_0 ? d * (code - 8.f) : t == Ggml::Q8_0 ? d * code : d * code + m;
+    const float code = static_cast<float>(q[i]), d = d16[i / 16];
+    const float v = t == Ggml::Q4_0   ? d * (code - 8.f)
+                    : t == Ggml::Q6_K ? d * (code - 32.f)
+                    : t == Ggml::Q8_0 ? d * code
+                                      : d * code + m;
     if constexpr (std::is_same_v<T, bf16>) {
       w[i] = simd::to_bf16(v);
     } else {
@@ -762,7 +833,7 @@ void dequantize_tiles(const at::Tensor& tiles, int64_t out, Ggml t, T* w) {
     for (int64_t tile = t0; tile < t1; ++tile)
       for (int64_t c = 0; c < chunks; ++c)
         each_block(base + (tile * chunks + c) * bytes, t, std::min(TILE, out - tile * TILE),
-                   [&](int64_t j, int s, const int8_t* q, float d, float m) {
+                   [&](int64_t j, int s, const int8_t* q, const float* d, float m) {
                      dequantize_block(q, d, m, t, w + (tile * TILE + j) * in + c * per + s * Q_BLOCK);
                    });
   });
@@ -771,25 +842,27 @@ void dequantize_tiles(const at::Tensor& tiles, int64_t out, Ggml t, T* w) {
 }  // namespace
 
 // What the tiles hold, decoded by the kernel's own code: the codes int8 [out, in] (Q4_*: 0 .. 15 as
-// stored; Q8_0: signed) and each 32 weights' d and m fp32 [out, in / 32] (m zero but for Q4_1, and
-// Q4_K's -(dmin mn)). Tests rebuild the weights from them as ggml does (d (q - 8), d q + m, d q) and
-// compare bit for bit.
+// stored; Q6_K: 0 .. 63; Q8_0: signed) and each 16 weights' d and m fp32 [out, in / 16] (m zero but
+// for Q4_1, and Q4_K's -(dmin mn)). Tests rebuild the weights from them as ggml does (d (q - 8),
+// d q + m, d q, d (q - 32)) and compare bit for bit.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> unpack_ggml(const at::Tensor& tiles, int64_t out, int64_t type) {
   const Ggml t = ggml_format(type);
   check_ggml_tiles(tiles, out, t);
   const int64_t chunks = tiles.size(1), bytes = q_tile_bytes(t), per = q_block_weights(t), in = chunks * per;
   auto q = at::empty({out, in}, tiles.options().dtype(at::kChar));
-  auto d = at::zeros({out, in / Q_BLOCK}, tiles.options().dtype(at::kFloat));
-  auto m = at::zeros({out, in / Q_BLOCK}, tiles.options().dtype(at::kFloat));
+  auto d = at::zeros({out, in / 16}, tiles.options().dtype(at::kFloat));
+  auto m = at::zeros({out, in / 16}, tiles.options().dtype(at::kFloat));
   const uint8_t* base = tiles.data_ptr<uint8_t>();
   for (int64_t tile = 0; tile < tiles.size(0); ++tile)
     for (int64_t c = 0; c < chunks; ++c)
       each_block(base + (tile * chunks + c) * bytes, t, std::min(TILE, out - tile * TILE),
-                 [&](int64_t j, int s, const int8_t* codes, float dj, float mj) {
+                 [&](int64_t j, int s, const int8_t* codes, const float* dj, float mj) {
                    const int64_t row = tile * TILE + j, block = c * (per / Q_BLOCK) + s;
                    std::memcpy(q.data_ptr<int8_t>() + row * in + block * Q_BLOCK, codes, Q_BLOCK);
-                   d.data_ptr<float>()[row * (in / Q_BLOCK) + block] = dj;
-                   m.data_ptr<float>()[row * (in / Q_BLOCK) + block] = mj;
+                   for (int h = 0; h < 2; ++h) {
+                     d.data_ptr<float>()[row * (in / 16) + 2 * block + h] = dj[h];
+                     m.data_ptr<float>()[row * (in / 16) + 2 * block + h] = mj;
+                   }
                  });
   return {q, d, m};
 }
@@ -862,6 +935,7 @@ at::Tensor linear_ggml(const at::Tensor& x, const at::Tensor& tiles, int64_t out
   const Packed w{tiles, out, 0.f, t};
   TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.size(-1) == w.in(),
               "x: expected bf16 or fp32 [..., in]");
+  TORCH_CHECK(!bias.has_value() || bias->numel() == out, "bias: expected `out` values");
   return apply_packed(x, w, bias);
 }
 

@@ -37,11 +37,13 @@
 //   q_scales(h, out, n)      n (4 or 8) fp16 scales -> fp32, exactly
 //   q4_decode(qs), q8_decode(qs)  QJ rows' 16 nibble bytes (Q4_0, Q4_1) or 32 int8 (Q8_0) -> QCodes
 //   q4k_decode(qs, stride, high)  QJ rows' (stride bytes apart) low or high nibbles of 32 bytes (Q4_K)
+//   q6k_decode(codes, stride, s)  QJ rows' sub-block s of 192 Q6_K code bytes -> codes 0 .. 63
+//   q_half_scales(s)         QScale of each row's two half-block scales (Q6_K: one per 16 weights)
 //   q_madd<SIGNED, OFFSET, MIN>(acc, w, d, m, xq, xs, xo, xf)  acc + the rows' block products with int8
 //                            activations xq [32] of scale xs, lane sums xo [8] (4 activations each) and
 //                            xf [8] (those times xs): lane l adds m x xf[l] for MIN, then the exact
-//                            integer sum over elements 4 l .. 4 l + 3 (less OFFSET x xo[l], OFFSET 0
-//                            or 8) times d x xs; d and m are the rows' scales (q_row_scales), xs
+//                            integer sum over elements 4 l .. 4 l + 3 (less OFFSET x xo[l], OFFSET 0,
+//                            8 or 32) times d x xs; d and m are the rows' scales (q_row_scales), xs
 //                            one number (q_splat), as QScale
 //   q_zero, q_reduce(acc, r), q_store(out, w, r)  an empty accumulator; the sum of row r's lanes by a
 //                            fixed tree; row r's 32 codes (for tests)

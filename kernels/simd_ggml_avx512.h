@@ -47,6 +47,20 @@ inline QCodes q4k_decode(const uint8_t* qs, int64_t stride, bool high) {
   return _mm512_and_si512(high ? _mm512_srli_epi16(raw, 4) : raw, _mm512_set1_epi8(0x0F));
 }
 
+// Q6_K sub-block s of two rows' 192 code bytes, `stride` bytes apart (simd_ggml_x86.h's layout).
+inline QCodes q6k_decode(const uint8_t* codes, int64_t stride, int s) {
+  const int half = s / 4, k = s % 4;
+  const uint8_t* ql = codes + half * 64 + (k & 1) * 32;
+  const uint8_t* qh = codes + 128 + half * 32;
+  auto two = [stride](const uint8_t* p) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + stride)), 1);
+  };
+  const __m512i low = _mm512_and_si512(_mm512_srl_epi16(two(ql), _mm_cvtsi32_si128((k >> 1) * 4)), _mm512_set1_epi8(0x0F));
+  const __m512i high = _mm512_and_si512(_mm512_srl_epi16(two(qh), _mm_cvtsi32_si128(2 * k)), _mm512_set1_epi8(3));
+  return _mm512_or_si512(low, _mm512_slli_epi16(high, 4));
+}
+
 inline QCodes q8_decode(const uint8_t* qs) { return _mm512_loadu_si512(qs); }
 
 inline void q_store(int8_t* out, QCodes q, int row) {
@@ -61,6 +75,11 @@ inline QScale q_row_scales(const float* s) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(s[0])), _mm256_set1_ps(s[1]), 1);
 }
 inline QScale q_splat(float x) { return _mm512_set1_ps(x); }
+// Q6_K's scales of a sub-block's halves for two rows, s = [j: first, second | j + 1: first, second].
+inline QScale q_half_scales(const float* s) {
+  return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                               _mm512_castps128_ps512(_mm_loadu_ps(s)));
+}
 
 inline __m512i q_twice(const void* p) {
   return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -77,8 +96,8 @@ inline QAcc q_madd(QAcc acc, QCodes w, QScale d, QScale m, const int8_t* xq, QSc
     w = _mm512_abs_epi8(w);
   }
   __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
-  static_assert(OFFSET == 0 || OFFSET == 8, "Q4_0's offset is the one there is");
-  if constexpr (OFFSET != 0) sums = _mm512_sub_epi32(sums, _mm512_slli_epi32(q_twice(xo), 3));
+  static_assert(OFFSET == 0 || OFFSET == 8 || OFFSET == 32, "the offsets there are: Q4_0's 8, Q6_K's 32");
+  if constexpr (OFFSET != 0) sums = _mm512_sub_epi32(sums, _mm512_slli_epi32(q_twice(xo), OFFSET == 8 ? 3 : 5));
   if constexpr (MIN) acc = _mm512_fmadd_ps(_mm512_castsi512_ps(q_twice(xf)), m, acc);
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, xs), acc);
 }

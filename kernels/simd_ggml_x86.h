@@ -29,6 +29,8 @@ using QScale = __m256;  // a number in every lane
 
 inline QAcc q_zero() { return _mm256_setzero_ps(); }
 inline QScale q_row_scales(const float* s) { return _mm256_set1_ps(*s); }
+// Q6_K's two scales of a sub-block, s[0] for elements 0-15 (lanes 0-3), s[1] for 16-31.
+inline QScale q_half_scales(const float* s) { return _mm256_set_m128(_mm_set1_ps(s[1]), _mm_set1_ps(s[0])); }
 inline QScale q_splat(float x) { return _mm256_set1_ps(x); }
 
 // n (4 or 8) fp16 scales -> fp32, exactly.
@@ -54,12 +56,23 @@ inline QCodes q4k_decode(const uint8_t* qs, int64_t /*stride*/, bool high) {
   return _mm256_and_si256(high ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(0x0F));
 }
 
+// Q6_K sub-block s (0 .. 7) of a row's 192 code bytes: 4 low bits from `ql` (bytes 0-127), 2 high from
+// `qh` (128-191), as ggml lays them out -> 32 codes 0 .. 63 in element order.
+inline QCodes q6k_decode(const uint8_t* codes, int64_t /*stride*/, int s) {
+  const int half = s / 4, k = s % 4;
+  const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + half * 64 + (k & 1) * 32));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 128 + half * 32));
+  const __m256i low = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128((k >> 1) * 4)), _mm256_set1_epi8(0x0F));
+  const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(3));
+  return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+}
+
 inline QCodes q8_decode(const uint8_t* qs) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)); }
 
 inline void q_store(int8_t* out, QCodes q, int /*row*/) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), q); }
 
-// Lane l: the exact integer sum of w x over elements 4 l .. 4 l + 3 of a block; w unsigned (<= 15
-// for Q4, so a pair is at most 2 x 15 x 127, inside int16) or signed (Q8_0: |w| <= 128, a pair at
+// Lane l: the exact integer sum of w x over elements 4 l .. 4 l + 3 of a block; w unsigned (<= 63
+// for Q4 and Q6_K, so a pair is at most 2 x 63 x 127, inside int16) or signed (Q8_0: |w| <= 128, a pair at
 // most 2 x 128 x 127 = 32,512, inside int16 too).
 template <bool SIGNED>
 inline __m256i q_lanes(QCodes w, const int8_t* xq) {
@@ -77,9 +90,10 @@ template <bool SIGNED, int OFFSET, bool MIN>
 inline QAcc q_madd(QAcc acc, QCodes w, QScale d, QScale m, const int8_t* xq, QScale xs, const int32_t* xo,
                    const float* xf) {
   __m256i sums = q_lanes<SIGNED>(w, xq);
-  static_assert(OFFSET == 0 || OFFSET == 8, "Q4_0's offset is the one there is");
+  static_assert(OFFSET == 0 || OFFSET == 8 || OFFSET == 32, "the offsets there are: Q4_0's 8, Q6_K's 32");
   if constexpr (OFFSET != 0)
-    sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xo)), 3));
+    sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xo)),
+                                                    OFFSET == 8 ? 3 : 5));
   if constexpr (MIN) acc = _mm256_fmadd_ps(_mm256_loadu_ps(xf), m, acc);
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, xs), acc);
 }

@@ -118,11 +118,22 @@ struct QCodes {
   int8_t q[32];  // Q4_*: 0 .. 15; Q8_0: as stored
 };
 
-using QScale = float;
+struct QScale {
+  float v[8];  // per lane
+};
 
 inline QAcc q_zero() { return {}; }
-inline QScale q_row_scales(const float* s) { return *s; }
-inline QScale q_splat(float x) { return x; }
+inline QScale q_splat(float x) {
+  QScale r;
+  for (float& v : r.v) v = x;
+  return r;
+}
+inline QScale q_row_scales(const float* s) { return q_splat(*s); }
+inline QScale q_half_scales(const float* s) {
+  QScale r;
+  for (int l = 0; l < 8; ++l) r.v[l] = s[l / 4];
+  return r;
+}
 
 // fp16 -> fp32, exactly: normals and subnormals by their value, infinities and NaN kept.
 inline float from_fp16(uint16_t h) {
@@ -156,6 +167,16 @@ inline QCodes q4k_decode(const uint8_t* qs, int64_t /*stride*/, bool high) {
   return w;
 }
 
+inline QCodes q6k_decode(const uint8_t* codes, int64_t /*stride*/, int s) {
+  const int half = s / 4, k = s % 4;
+  const uint8_t* ql = codes + half * 64 + (k & 1) * 32;
+  const uint8_t* qh = codes + 128 + half * 32;
+  QCodes w;
+  for (int i = 0; i < 32; ++i)
+    w.q[i] = static_cast<int8_t>(((ql[i] >> ((k >> 1) * 4)) & 0xF) | (((qh[i] >> (2 * k)) & 3) << 4));
+  return w;
+}
+
 inline QCodes q8_decode(const uint8_t* qs) {
   QCodes w;
   std::memcpy(w.q, qs, 32);
@@ -171,8 +192,8 @@ inline QAcc q_madd(QAcc acc, const QCodes& w, QScale d, QScale m, const int8_t* 
     int32_t s = 0;
     for (int i = 4 * l; i < 4 * l + 4; ++i) s += static_cast<int32_t>(w.q[i]) * xq[i];
     if constexpr (OFFSET != 0) s -= OFFSET * xo[l];
-    if constexpr (MIN) acc.v[l] += xf[l] * m;
-    acc.v[l] += static_cast<float>(s) * (d * xs);
+    if constexpr (MIN) acc.v[l] += xf[l] * m.v[l];
+    acc.v[l] += static_cast<float>(s) * (d.v[l] * xs.v[l]);
   }
   return acc;
 }

@@ -111,7 +111,10 @@ def read_gguf_blocks(path: Path, config: ModelConfig) -> dict[str, GgufBlocks]:
         if int(t.tensor_type) not in BLOCK_FORMATS or t.data.ndim != 2:  # a matrix's rows of blocks
             continue
         raw = torch.from_numpy(np.array(t.data, dtype=np.uint8))  # [out, row bytes], copied off the map
-        blocks[_hf_name(t.name)] = GgufBlocks(int(t.tensor_type), _unpermute_qk(t.name, raw, config))
+        try:
+            blocks[_hf_name(t.name)] = GgufBlocks(int(t.tensor_type), _unpermute_qk(t.name, raw, config))
+        except ValueError as e:
+            raise ValueError(f"{path.name}: tensor {t.name}: {e}") from e
     return blocks
 
 

@@ -117,7 +117,7 @@ def load_model(source: str | Path | None, dtype: torch.dtype, device: torch.devi
 
 def gguf_modules(path: Path, stored: StoredModel, device: torch.device) -> dict[str, GgufBlocks]:
     """The GGUF blocks of each linear module of `stored` (a GGUF file) whose parts are all in one block
-    format the kernel reads; the others (K-quants, F16, parts in two formats) stay dense, named in a
+    format the kernel reads; the others (other K-quants, F16, parts in two formats) stay dense, named in a
     warning."""
     if path.suffix != ".gguf":
         raise ValueError(f"weights: 'gguf' serves a GGUF file's own blocks, and {path.name} is not a .gguf file")
@@ -133,7 +133,7 @@ def gguf_modules(path: Path, stored: StoredModel, device: torch.device) -> dict[
         else:
             dense.append(module)
     if dense:
-        log.warning("weights 'gguf': %d of %d linear modules are not in one of Q4_0, Q4_1, Q8_0, Q4_K and stay "
+        log.warning("weights 'gguf': %d of %d linear modules are not in one of Q4_0, Q4_1, Q8_0, Q4_K, Q6_K and stay "
                     "dense: %s", len(dense), len(dense) + len(modules), ", ".join(dense[:5]))
     return modules
 

@@ -2,7 +2,7 @@
 `--nvfp4-embedding` make, checked once, in the form every command that loads a target passes on.
 
 `dense` serves the weights as stored, dequantized to the model's dtype where the file is a quantized
-GGUF. `gguf` serves a GGUF file's Q4_0, Q4_1, Q8_0 and Q4_K tensors as they are, from the CPU kernel's tiles
+GGUF. `gguf` serves a GGUF file's Q4_0, Q4_1, Q8_0, Q4_K and Q6_K tensors as they are, from the CPU kernel's tiles
 of their blocks (`engine/model/gguf_linear.py`), and its other tensors densely: the same model as the
 file, so the same fingerprint as `dense`. `nvfp4` serves every attention and MLP projection from NVFP4
 (`kernels/nvfp4.py`), and the LM head and the token embedding each from NVFP4 or densely, as asked:

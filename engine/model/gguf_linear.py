@@ -1,15 +1,20 @@
 """GGUF block weights in a `Transformer`: linear layers served from a GGUF file's own Q4_0, Q4_1,
-Q8_0 and Q4_K blocks by the C++ kernel (`linear_ggml` in `kernels/cpu_decode.cpp`), on the CPU.
+Q8_0, Q4_K and Q6_K blocks by the C++ kernel (`linear_ggml` in `kernels/cpu_decode.cpp`), on the CPU.
 
 `apply_gguf(model, blocks)` replaces the named `nn.Linear` modules (module paths as
 `Transformer.named_modules` gives them: `layers.0.attn.qkv`, `lm_head`, ...) by `GgufLinear`s holding
-the kernel's tiles of those blocks: the file's bytes reordered, 4.5 (Q4_0, Q4_K), 5 (Q4_1) or 8.5
-(Q8_0) bits per weight, and nothing else. No dense copy is kept: every pass, prefill chunks included, runs
-from the tiles. A fused module (qkv, gate_up) stacks the rows of its parts, which must share one
-format. `weight` dequantizes on each read (the drafter's trimmed head reads it once).
+the kernel's tiles of those blocks: the file's bytes reordered, 4.5 (Q4_0, Q4_K), 5 (Q4_1), 6.56
+(Q6_K) or 8.5 (Q8_0) bits per weight, and nothing else. No dense copy is kept: passes of up to
+`KERNEL_ROWS` rows run on the tiles; larger ones (prefill chunks) multiply a dense copy made for that
+pass and dropped after it (bf16 where oneDNN has native bf16, else fp32). The LM head always runs on
+the tiles, so that a token's logits never depend on how many rows its pass had (prompt log-probs
+ask for a whole chunk's). A fused module (qkv, gate_up) stacks the rows of its parts, which must
+share one format and width. `weight` dequantizes on each read (the drafter's trimmed head reads it
+once; a drafter trained against this target reads it every step).
 
-This is the same model as the file (ggml computes with the same blocks and int8 activations), so it
-keeps the file's base-model fingerprint (`engine/model/fingerprint.py`), unlike NVFP4. It is not
+This is the same model as the file (the same blocks; ggml also meets them with int8 activations,
+though with fp16 activation scales where these are fp32), so it keeps the file's base-model
+fingerprint (`engine/model/fingerprint.py`), unlike NVFP4. It is not
 the file reader (`engine/loaders/gguf.py`) and not the kernel.
 """
 
@@ -23,7 +28,8 @@ from torch import nn
 from specloop.kernels.cpu_decode import cpu_plan
 
 # ggml type id -> (name, bytes per block, weights per block along a row): the formats the kernel reads.
-BLOCK_FORMATS = {2: ("Q4_0", 18, 32), 3: ("Q4_1", 20, 32), 8: ("Q8_0", 34, 32), 12: ("Q4_K", 144, 256)}
+BLOCK_FORMATS = {2: ("Q4_0", 18, 32), 3: ("Q4_1", 20, 32), 8: ("Q8_0", 34, 32), 12: ("Q4_K", 144, 256),
+                 14: ("Q6_K", 210, 256)}
 KERNEL_ROWS = 64  # passes of more rows multiply the weight dequantized for the pass (see `forward`)
 
 
@@ -39,9 +45,19 @@ class GgufBlocks:
             raise ValueError(f"ggml_type: {self.ggml_type} is not a block format the kernel reads "
                              f"({', '.join(f'{n} = {t}' for t, (n, _, _) in BLOCK_FORMATS.items())})")
         _, block_bytes, weights = BLOCK_FORMATS[self.ggml_type]
-        if self.raw.dtype != torch.uint8 or self.raw.ndim != 2 or self.raw.shape[1] % block_bytes:
+        if (self.raw.dtype != torch.uint8 or self.raw.ndim != 2 or self.raw.shape[1] % block_bytes
+                or not self.raw.numel()):
             raise ValueError(f"raw: expected uint8 [out, in / {weights} x {block_bytes}], got {self.raw.dtype} "
                              f"{tuple(self.raw.shape)}")
+        if not torch.isfinite(self.fp16_scales()).all():
+            raise ValueError("raw: a block's fp16 scale is NaN or infinite")
+
+    def fp16_scales(self) -> torch.Tensor:
+        """Every block's fp16 scales (d; and m or dmin), as floats `[out, blocks, 1 or 2]`."""
+        _, block_bytes, _ = BLOCK_FORMATS[self.ggml_type]
+        blocks = self.raw.view(self.raw.shape[0], -1, block_bytes)
+        halves = {3: slice(0, 4), 12: slice(0, 4), 14: slice(208, 210)}.get(self.ggml_type, slice(0, 2))
+        return blocks[..., halves].contiguous().view(torch.float16).float()
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -55,19 +71,23 @@ class GgufBlocks:
 
 def stack(parts: list[GgufBlocks]) -> GgufBlocks:
     """The rows of `parts` as one weight (a fused module's); they must share a format."""
-    formats = {p.ggml_type for p in parts}
+    formats, widths = {p.ggml_type for p in parts}, {p.shape[1] for p in parts}
     if len(formats) != 1:
         raise ValueError(f"a fused layer's parts are in {sorted(BLOCK_FORMATS[t][0] for t in formats)}: "
                          "the kernel takes one format per matrix")
+    if len(widths) != 1:
+        raise ValueError(f"a fused layer's parts have {sorted(widths)} columns: they must have the same")
     return GgufBlocks(parts[0].ggml_type, torch.cat([p.raw for p in parts]).contiguous())
 
 
 class GgufLinear(nn.Module):
     """A frozen linear layer computed from GGUF blocks by `kernel`; `tiles` is all it holds of them."""
 
-    def __init__(self, blocks: GgufBlocks, bias: torch.Tensor | None, dtype: torch.dtype, kernel: ModuleType) -> None:
+    def __init__(self, blocks: GgufBlocks, bias: torch.Tensor | None, dtype: torch.dtype, kernel: ModuleType,
+                 dense_large_passes: bool = True) -> None:
         super().__init__()
         self.kernel, self.ggml_type, self.dtype = kernel, blocks.ggml_type, dtype
+        self.dense_large_passes = dense_large_passes
         self.out_features, self.in_features = blocks.shape
         self.register_buffer("tiles", kernel.pack_ggml(blocks.raw, blocks.ggml_type), persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype), persistent=False)
@@ -78,7 +98,7 @@ class GgufLinear(nn.Module):
         return self.kernel.dequantize_ggml(self.tiles, self.out_features, self.ggml_type, self.dtype == torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() // x.shape[-1] <= KERNEL_ROWS:
+        if x.numel() // x.shape[-1] <= KERNEL_ROWS or not self.dense_large_passes:
             return self.kernel.linear_ggml(x, self.tiles, self.out_features, self.ggml_type, self.bias)
         # A prefill chunk: the weight dequantized for this pass only (fp32 where oneDNN has no native
         # bf16, as engine/cpu/linear.py widens bf16), one GEMM, then dropped.
@@ -99,4 +119,4 @@ def apply_gguf(model: nn.Module, blocks: dict[str, GgufBlocks], kernel: ModuleTy
             raise ValueError(f"{name}: GGUF blocks {b.shape} do not match the module's {tuple(old.weight.shape)}")
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, GgufLinear(b, old.bias, old.weight.dtype, kernel))
+        setattr(parent, attr, GgufLinear(b, old.bias, old.weight.dtype, kernel, dense_large_passes=name != "lm_head"))

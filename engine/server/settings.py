@@ -39,7 +39,7 @@ class ServerSettings(BaseSettings):
     # "nvfp4": the projections served from NVFP4 weights (kernels/nvfp4.py), quantized on load from a
     # dense model or read from an NVFP4 checkpoint (compressed-tensors or ModelOpt); "dense": as stored.
     # An NVFP4 model is another base model (its own fingerprint), so drafters are trained for it apart.
-    # "gguf": a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K tensors served from their own blocks by the CPU kernel
+    # "gguf": a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensors served from their own blocks by the CPU kernel
     # (engine/model/gguf_linear.py); the same model as the file, so its drafters serve on it.
     weights: Literal["dense", "gguf", "nvfp4"] = "dense"
     nvfp4_lm_head: bool = False  # with weights "nvfp4", the LM head in NVFP4 too

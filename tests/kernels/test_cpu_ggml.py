@@ -13,8 +13,8 @@ from gguf.quants import dequantize, quantize
 from specloop.kernels.cpu_decode import load
 from specloop.kernels.cpu_features import Isa
 
-FORMATS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K]
-Q4_K = GGMLQuantizationType.Q4_K
+Q4_K, Q6_K = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
+FORMATS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, Q4_K, Q6_K]
 
 
 @pytest.fixture
@@ -27,8 +27,8 @@ def kernel(kernel_isa: Isa) -> ModuleType:
 def gguf_tensor(shape: tuple[int, int], qtype: GGMLQuantizationType, seed: int = 0) -> tuple[torch.Tensor, np.ndarray]:
     """A random weight in `qtype` as the file stores it (uint8 [out, row bytes]) and its dequantization."""
     rng = np.random.default_rng(seed)
-    if qtype == Q4_K:
-        raw = q4_k_blocks(shape, rng)
+    if qtype in (Q4_K, Q6_K):
+        raw = k_quant_blocks(shape, qtype, rng)
     else:
         w = (rng.standard_normal(shape) * shape[1] ** -0.5).astype(np.float32)
         w[0, :32] = 0.0  # an all-zero block: scale 0
@@ -36,13 +36,19 @@ def gguf_tensor(shape: tuple[int, int], qtype: GGMLQuantizationType, seed: int =
     return torch.from_numpy(np.ascontiguousarray(raw)), dequantize(raw, qtype)
 
 
-def q4_k_blocks(shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
-    """Random Q4_K super-blocks (the gguf package dequantizes them but cannot quantize): every code and
-    6-bit scale byte random, d and dmin fp16 scales of a typical weight (sub-block scales up to 63)."""
+def k_quant_blocks(shape: tuple[int, int], qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
+    """Random Q4_K or Q6_K super-blocks (the gguf package dequantizes them but cannot quantize): every
+    code and sub-block scale byte random, the fp16 scales (Q4_K: d and dmin first; Q6_K: d last) of a
+    typical weight's size."""
     out, n_in = shape
-    blocks = rng.integers(0, 256, (out, n_in // 256, 144), dtype=np.uint8)
-    scale = (rng.uniform(0.5, 1.5, (out, n_in // 256, 2)) * n_in ** -0.5 / 63 / 8).astype(np.float16)
-    blocks[:, :, :4] = scale.view(np.uint8)
+    size = {Q4_K: 144, Q6_K: 210}[qtype]
+    blocks = rng.integers(0, 256, (out, n_in // 256, size), dtype=np.uint8)
+    if qtype == Q4_K:
+        blocks[:, :, :4] = (rng.uniform(0.5, 1.5, (out, n_in // 256, 2)) * n_in ** -0.5 / 63 / 8).astype(
+            np.float16).view(np.uint8)
+    else:
+        blocks[:, :, -2:] = (rng.uniform(0.5, 1.5, (out, n_in // 256, 1)) * n_in ** -0.5 / 128 / 32).astype(
+            np.float16).view(np.uint8)
     return blocks.reshape(out, -1)
 
 
@@ -56,12 +62,13 @@ def test_tiles_decode_to_the_gguf_reference_bit_for_bit(kernel: ModuleType, qtyp
                                                         shape: tuple[int, int]) -> None:
     raw, reference = gguf_tensor(shape, qtype)
     q, d, m = kernel.unpack_ggml(kernel.pack_ggml(raw, int(qtype)), shape[0], int(qtype))
-    assert q.shape == shape and d.shape == m.shape == (shape[0], shape[1] // 32)
-    codes = q.numpy().astype(np.float32).reshape(shape[0], -1, 32)
+    assert q.shape == shape and d.shape == m.shape == (shape[0], shape[1] // 16)
+    codes = q.numpy().astype(np.float32).reshape(shape[0], -1, 16)
     d, m = d.numpy()[..., None], m.numpy()[..., None]
     # As ggml (and the gguf package) form each weight: two roundings for Q4_1, one otherwise.
     rebuilt = {GGMLQuantizationType.Q4_0: lambda: d * (codes - 8), GGMLQuantizationType.Q4_1: lambda: d * codes + m,
-               GGMLQuantizationType.Q8_0: lambda: d * codes, Q4_K: lambda: d * codes + m}[qtype]().reshape(shape)
+               GGMLQuantizationType.Q8_0: lambda: d * codes, Q4_K: lambda: d * codes + m,
+               Q6_K: lambda: d * (codes - 32)}[qtype]().reshape(shape)
     np.testing.assert_array_equal(rebuilt.view(np.uint32), reference.astype(np.float32).view(np.uint32))
     dense = kernel.dequantize_ggml(kernel.pack_ggml(raw, int(qtype)), shape[0], int(qtype), False)
     np.testing.assert_array_equal(dense.numpy().view(np.uint32), reference.astype(np.float32).view(np.uint32))
@@ -115,8 +122,8 @@ def test_extreme_codes_stay_exact(kernel: ModuleType) -> None:
 
 def test_bad_input_is_refused(kernel: ModuleType) -> None:
     raw, _ = gguf_tensor((8, 64), GGMLQuantizationType.Q4_1)
-    with pytest.raises(RuntimeError, match="ggml_type: 14 is not a block format"):
-        kernel.pack_ggml(raw, 14)  # Q6_K
+    with pytest.raises(RuntimeError, match="ggml_type: 10 is not a block format"):
+        kernel.pack_ggml(raw, 10)  # Q2_K
     with pytest.raises(RuntimeError, match="whole blocks of 18 bytes"):
         kernel.pack_ggml(raw, int(GGMLQuantizationType.Q4_0))  # Q4_1 rows (20-byte blocks) called Q4_0
     tiles = kernel.pack_ggml(raw, int(GGMLQuantizationType.Q4_1))

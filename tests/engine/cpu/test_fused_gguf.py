@@ -56,9 +56,10 @@ def to_gguf(model: Transformer) -> tuple[Transformer, Transformer]:
 def test_fused_gguf_matches_the_eager_model(tiny_llama_dir: Path, dtype: torch.dtype) -> None:
     fused, reference = to_gguf(load_model(tiny_llama_dir, dtype, CPU).model)
     tokens = torch.randint(0, 300, (2, 90), generator=torch.Generator().manual_seed(0))
-    # Prefills of 38 and 2 x 50 rows (past the fused pass's 32: the layers' kernel calls, then past
-    # KERNEL_ROWS: the dequantized weights), then decode steps.
-    passes = [([1, 0], [0, 0], 38), ([1, 0], [38, 38], 50), ([1, 0], [88, 88], 1), ([0, 1], [89, 89], 1)]
+    # Prefills of 2 x 19 rows (past the fused pass's 32: the layers' kernel calls) and 2 x 50 (past
+    # KERNEL_ROWS: the dequantized weights), then decode steps through the fused pass.
+    passes = [([1, 0], [0, 0], 19), ([1, 0], [19, 19], 19), ([1, 0], [38, 38], 50), ([1, 0], [88, 88], 1),
+              ([0, 1], [89, 89], 1)]
     caches = {id(m): KVCache(m.config, 2, 2 * MAX_LEN, torch.float32, CPU) for m in (fused, reference)}
     with torch.inference_mode():
         for slots, starts, n in passes:
@@ -124,15 +125,29 @@ def test_the_weight_reads_back_as_the_blocks_dequantized(qtype: GGMLQuantization
     assert torch.equal(GgufLinear(blocks, None, torch.bfloat16, load()).weight, reference.bfloat16())
 
 
+def test_the_head_never_leaves_the_kernel() -> None:
+    """A token's logits do not depend on how many rows the head saw (prompt log-probs ask for a whole
+    prefill chunk's), where the layers' large passes take dense weights."""
+    target, _ = to_gguf(tiny_target(hidden=64).requires_grad_(False))
+    hidden = torch.randn(100, 64)
+    assert torch.equal(target.logits(hidden)[:1], target.logits(hidden[:1]))
+
+
 def test_bad_blocks_are_refused() -> None:
-    with pytest.raises(ValueError, match="ggml_type: 14 is not a block format"):
-        GgufBlocks(14, torch.zeros(4, 210, dtype=torch.uint8))  # Q6_K
+    with pytest.raises(ValueError, match="ggml_type: 10 is not a block format"):
+        GgufBlocks(10, torch.zeros(4, 84, dtype=torch.uint8))  # Q2_K
     with pytest.raises(ValueError, match=r"raw: expected uint8 \[out, in / 32 x 20\]"):
         GgufBlocks(3, torch.zeros(4, 30, dtype=torch.uint8))
     q4_0 = GgufBlocks(2, torch.zeros(4, 18, dtype=torch.uint8))
     q4_1 = GgufBlocks(3, torch.zeros(4, 20, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"parts are in \['Q4_0', 'Q4_1'\]"):
         stack([q4_0, q4_1])
+    with pytest.raises(ValueError, match=r"parts have \[32, 64\] columns"):
+        stack([q4_1, GgufBlocks(3, torch.zeros(4, 40, dtype=torch.uint8))])
+    nan_scale = torch.zeros(4, 20, dtype=torch.uint8)
+    nan_scale[1, :2] = torch.tensor([0x00, 0x7E], dtype=torch.uint8)  # fp16 0x7E00: NaN
+    with pytest.raises(ValueError, match="fp16 scale is NaN or infinite"):
+        GgufBlocks(3, nan_scale)
     model = tiny_target(hidden=64)
     with pytest.raises(ValueError, match="do not match the module's"):
         apply_gguf(model, {"lm_head": q4_1}, load())

@@ -18,9 +18,10 @@ from gguf.quants import quantize
 
 from specloop.engine.loaders.gguf import permute_rows, served_name, unpermute_rows
 from specloop.engine.loaders.hf import read_hf_dir
-from specloop.engine.loaders.load import LoadedModel, load_model, read_stored_model
+from specloop.engine.loaders.load import LoadedModel, load_for_inference, load_model, read_stored_model
 from specloop.engine.loaders.weight_format import WeightFormat
 from specloop.engine.model.gguf_linear import GgufLinear
+from specloop.engine.model.kv_cache import AttnBatch, KVCache
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -229,13 +230,20 @@ def test_a_quantized_gguf_serves_its_blocks_where_the_kernel_reads_them(tiny_lla
         (t for key, t in formats.items() if name.startswith(key) or f".{key}" in name), None))
     dense = load_model(gguf_path, torch.float32, CPU)
     with caplog.at_level("WARNING"):
-        blocks = load_model(gguf_path, torch.float32, CPU, WeightFormat("gguf"))
+        blocks = load_for_inference(gguf_path, torch.float32, CPU, WeightFormat("gguf"))
     assert blocks.fingerprint == dense.fingerprint
+    assert blocks.model.fused_decoder is not None  # dense and GGUF matrices in one fused pass
     served = {name: m.ggml_type for name, m in blocks.model.named_modules() if isinstance(m, GgufLinear)}
+    for name in served:  # rows in the file's order, q/k put back, each block as the file holds it
+        assert torch.equal(blocks.model.get_submodule(name).weight, dense.model.get_submodule(name).weight)
     assert served == {"layers.0.attn.o": 2, "layers.0.mlp.gate_up": 3, "layers.0.mlp.down": 3,
                       "layers.1.attn.qkv": 3, "layers.1.attn.o": 2, "layers.1.mlp.gate_up": 3, "layers.1.mlp.down": 3}
     assert "layers.0.attn.qkv, lm_head" in caplog.text
     tokens = torch.randint(3, 300, (1, 40), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
+    with torch.inference_mode():
         got, want = (m.model.logits(m.model(tokens)[0]) for m in (blocks, dense))
+        cache = KVCache(blocks.model.config, 1, 64, torch.float32, CPU)
+        blocks.model(tokens[:, :39], cache, AttnBatch.build([0], [0], 39, CPU, 64))
+        step, _ = blocks.model(tokens[:, 39:], cache, AttnBatch.build([0], [39], 1, CPU, 64))  # the fused pass
     assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+    assert (blocks.model.logits(step)[0, -1] - want[0, -1]).abs().max() <= 2e-2 * want.abs().max()
