@@ -16,6 +16,7 @@ from specloop.engine.cpu.linear import optimize_for_cpu_inference
 from specloop.engine.loaders.load import load_for_inference, load_model
 from specloop.engine.loaders.weight_format import WeightFormat
 from specloop.engine.model.gguf_linear import GgufBlocks, GgufLinear, apply_gguf, stack
+from specloop.engine.model.config import ModelConfig
 from specloop.engine.model.kv_cache import AttnBatch, KVCache
 from specloop.engine.model.nvfp4_linear import linear_modules
 from specloop.engine.model.transformer import Transformer
@@ -25,6 +26,7 @@ from specloop.engine.speculation.dflash_proposer import DFlashProposer
 from specloop.engine.speculation.ngram import NgramProposer
 from specloop.kernels.cpu_decode import cpu_plan, load
 from tests.dflash_helpers import tiny_drafter, tiny_target
+from tests.kernels.test_cpu_ggml import Q4_K, Q6_K, k_quant_blocks
 
 MAX_LEN = 64
 CPU = torch.device("cpu")
@@ -67,6 +69,36 @@ def test_fused_gguf_matches_the_eager_model(tiny_llama_dir: Path, dtype: torch.d
             x = tokens[:, starts[0]:starts[0] + n]
             (got, _), (want, _) = (m(x, caches[id(m)], batch) for m in (fused, reference))
             assert (got.float() - want).abs().max() <= TOLERANCE * want.abs().max()
+            got_logits, want_logits = fused.logits(got), reference.logits(want)
+            assert (got_logits - want_logits).abs().max() <= TOLERANCE * want_logits.abs().max()
+
+
+@pytest.mark.usefixtures("kernel_isa")
+def test_k_quant_layers_match_the_eager_model() -> None:
+    """The Q4_K_M mix (Q4_K and Q6_K matrices, a Q6_K head) through the fused pass and the layers, against
+    the eager fp32 model of the gguf package's dequantization. Random blocks: the package cannot make
+    K-quants, and SmolLM2's 576-wide rows do not split into their 256-weight super-blocks."""
+    config = ModelConfig(arch="llama", vocab_size=64, hidden_size=256, intermediate_size=512, num_layers=2,
+                         num_heads=4, num_kv_heads=2, head_dim=64, max_position=128, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Transformer(config).eval().requires_grad_(False)
+    reference = copy.deepcopy(model).float()
+    rng, blocks = np.random.default_rng(0), {}
+    for name, module in linear_modules(model).items():
+        qtype = Q6_K if name.endswith(("attn.o", "mlp.down")) or name == "lm_head" else Q4_K
+        raw = k_quant_blocks(tuple(module.weight.shape), qtype, rng)
+        blocks[name] = GgufBlocks(int(qtype), torch.from_numpy(raw))
+        reference.get_submodule(name).weight = torch.nn.Parameter(torch.from_numpy(dequantize(raw, qtype)),
+                                                                  requires_grad=False)
+    apply_gguf(model, blocks, load())
+    fused = optimize_for_cpu_inference(model)
+    assert fused.fused_decoder is not None
+    tokens = torch.randint(0, 64, (1, 80), generator=torch.Generator().manual_seed(0))
+    caches = {id(m): KVCache(config, 1, 128, torch.float32, CPU) for m in (fused, reference)}
+    with torch.inference_mode():
+        for start, n in ((0, 70), (70, 4), (74, 1)):  # dense-weight prefill, a verify-sized pass, a step
+            batch = AttnBatch.build([0], [start], n, CPU, 128)
+            (got, _), (want, _) = (m(tokens[:, start:start + n], caches[id(m)], batch) for m in (fused, reference))
             got_logits, want_logits = fused.logits(got), reference.logits(want)
             assert (got_logits - want_logits).abs().max() <= TOLERANCE * want_logits.abs().max()
 
