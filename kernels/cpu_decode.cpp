@@ -393,92 +393,89 @@ void ggml_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float
 }
 
 // A Q4_K row's 8 sub-block scales and minima from its 12 bytes of 6-bit values (ggml's
-// get_scale_min_k4) and its fp16 d and dmin: w = d sc q - dmin mn, so the sub-block's d is d sc and
-// its m (as Q4_1's, added) is -(dmin mn), each one fp32 product as ggml forms them.
-void q4k_sub_scales(const uint8_t* q, float d, float dmin, float* ds, float* ms, int64_t stride) {
+// get_scale_min_k4) and its fp16 d and dmin: w = d sc q - dmin mn, so the sub-block's d is d sc (in
+// both halves of ds[s], as Q6_K has two) and its m (as Q4_1's, added) is -(dmin mn), each one fp32
+// product as ggml forms them; sub-block s's lands at ds[s * ds_stride], ms[s * ms_stride].
+void q4k_sub_scales(const uint8_t* q, float d, float dmin, float* ds, int64_t ds_stride, float* ms,
+                    int64_t ms_stride) {
   for (int j = 0; j < K_SUB; ++j) {
     const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
     const int mn = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    ds[j * stride] = d * static_cast<float>(sc);
-    ms[j * stride] = -(dmin * static_cast<float>(mn));
+    ds[j * ds_stride] = ds[j * ds_stride + 1] = d * static_cast<float>(sc);
+    ms[j * ms_stride] = -(dmin * static_cast<float>(mn));
   }
 }
 
-// `ggml_tile_rows` for Q4_K tiles: per super-block, each row's 8 sub-block scales are unpacked once,
-// then each sub-block of 32 is a Q4_1 block of those scales whose codes are one nibble of 32 bytes
-// (sub-block 2 i: the low nibbles of bytes 32 i .. 32 i + 31; 2 i + 1: their high nibbles).
-template <int G>
-void q4k_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* y, int64_t in, int64_t out,
-                   int64_t first) {
-  constexpr int PAIRS = TILE / simd::QJ;
-  constexpr int64_t CODES = 128, SUB = 12, BYTES = TILE * (CODES + SUB + 4);
-  const int64_t supers = in / K_BLOCK, blocks = in / Q_BLOCK;
-  simd::QAcc acc[G][PAIRS];
-  for (int g = 0; g < G; ++g)
-    for (int p = 0; p < PAIRS; ++p) acc[g][p] = simd::q_zero();
-  for (int64_t c = 0; c < supers; ++c) {
-    const uint8_t* wc = tile + c * BYTES;
-    for (int64_t line = 0; line < BYTES; line += 64)
-      __builtin_prefetch(reinterpret_cast<const char*>(wc) + Q_PREFETCH + line);
-    alignas(32) float dm[2 * TILE], ds[K_SUB][TILE], ms[K_SUB][TILE];  // [sub-block][row]
-    simd::q_scales(wc + TILE * (CODES + SUB), dm, 2 * TILE);
-    for (int j = 0; j < TILE; ++j) q4k_sub_scales(wc + TILE * CODES + j * SUB, dm[j], dm[TILE + j], &ds[0][j], &ms[0][j], TILE);
-    for (int s = 0; s < K_SUB; ++s) {
-      simd::QScale xs[G];
-      for (int g = 0; g < G; ++g) xs[g] = simd::q_splat(x.scales[(m0 + g) * blocks + c * K_SUB + s]);
-      for (int p = 0; p < PAIRS; ++p) {
-        const int j = p * simd::QJ;
-        const simd::QCodes w = simd::q4k_decode(wc + j * CODES + s / 2 * 32, CODES, s % 2);
-        const simd::QScale d = simd::q_row_scales(&ds[s][j]), m = simd::q_row_scales(&ms[s][j]);
-        for (int g = 0; g < G; ++g) {
-          const int64_t b = (m0 + g) * blocks + c * K_SUB + s;
-          acc[g][p] = simd::q_madd<false, 0, true>(acc[g][p], w, d, m, x.q.data() + b * Q_BLOCK, xs[g],
-                                                   x.sums.data() + b * 8, x.scaled.data() + b * 8);
-        }
-      }
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int j = 0; j < TILE && first + j < out; ++j)
-      y[g * out + first + j] = simd::q_reduce(acc[g][j / simd::QJ], j % simd::QJ);
-}
-
-// A Q6_K row's 16 int8 scales (one per 16 weights) times its fp16 d, as ggml forms them: for
-// sub-block s of 32, ds[s] holds the pair for its two halves.
+// A Q6_K row's 16 int8 scales (one per 16 weights) times its fp16 d, as ggml forms them: sub-block s
+// of 32 takes the pair at ds[s * stride], one per half.
 void q6k_sub_scales(const uint8_t* q, float d, float* ds, int64_t stride) {
   for (int j = 0; j < K_SUB; ++j)
     for (int h = 0; h < 2; ++h) ds[j * stride + h] = d * static_cast<float>(static_cast<int8_t>(q[2 * j + h]));
 }
 
-// `ggml_tile_rows` for Q6_K tiles: codes 0 .. 63 (4 low bits from `ql`, 2 high from `qh`) less 32,
-// one scale per 16 weights, so each sub-block of 32 takes two scales, one per half of its lanes.
-template <int G>
-void q6k_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* y, int64_t in, int64_t out,
-                   int64_t first) {
+// A K-quant tile's super-block: every row's sub-block scales ([sub-block][row][half]) and minima
+// (Q4_K; [sub-block][row]), unpacked once for all the rows of activations that meet it.
+struct KScales {
+  alignas(32) float ds[K_SUB][TILE][2];
+  alignas(32) float ms[K_SUB][TILE];
+};
+
+template <Ggml T>
+void k_scales(const uint8_t* wc, KScales& k) {
+  constexpr bool Q4K = T == Ggml::Q4_K;
+  constexpr int64_t CODES = Q4K ? 128 : 192, SUB = Q4K ? 12 : 16;
+  alignas(32) float dm[2 * TILE];
+  simd::q_scales(wc + TILE * (CODES + SUB), dm, Q4K ? 2 * TILE : TILE);
+  for (int j = 0; j < TILE; ++j) {
+    if constexpr (Q4K) {
+      q4k_sub_scales(wc + TILE * CODES + j * SUB, dm[j], dm[TILE + j], &k.ds[0][j][0], 2 * TILE, &k.ms[0][j], TILE);
+    } else {
+      q6k_sub_scales(wc + TILE * CODES + j * SUB, dm[j], &k.ds[0][j][0], 2 * TILE);
+    }
+  }
+}
+
+// QJ rows' codes of sub-block s: Q4_K's one nibble of 32 bytes (sub-block 2 i: the low nibbles of
+// bytes 32 i .. 32 i + 31; 2 i + 1: their high nibbles); Q6_K's 4 low bits from `ql` and 2 high from `qh`.
+template <Ggml T>
+simd::QCodes k_decode(const uint8_t* row, int s) {
+  if constexpr (T == Ggml::Q4_K) {
+    return simd::q4k_decode(row + s / 2 * 32, 128, s % 2);
+  } else {
+    return simd::q6k_decode(row, 192, s);
+  }
+}
+
+// `ggml_tile_rows` for K-quant tiles: per super-block, each row's 8 sub-block scales are unpacked once
+// (`k_scales`), then each sub-block of 32 meets the activations as a block of 32 does: Q4_K's as a Q4_1
+// block of those scales, Q6_K's (codes 0 .. 63 less 32) with each half of its lanes taking its scale.
+template <Ggml T, int G>
+void k_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* y, int64_t in, int64_t out,
+                 int64_t first) {
+  constexpr bool Q4K = T == Ggml::Q4_K;
   constexpr int PAIRS = TILE / simd::QJ;
-  constexpr int64_t CODES = 192, SUB = 16, BYTES = TILE * (CODES + SUB + 2);
+  constexpr int64_t CODES = Q4K ? 128 : 192, BYTES = TILE * (CODES + (Q4K ? 12 + 4 : 16 + 2));
   const int64_t supers = in / K_BLOCK, blocks = in / Q_BLOCK;
   simd::QAcc acc[G][PAIRS];
   for (int g = 0; g < G; ++g)
     for (int p = 0; p < PAIRS; ++p) acc[g][p] = simd::q_zero();
+  KScales k{};
   for (int64_t c = 0; c < supers; ++c) {
     const uint8_t* wc = tile + c * BYTES;
     for (int64_t line = 0; line < BYTES; line += 64)
       __builtin_prefetch(reinterpret_cast<const char*>(wc) + Q_PREFETCH + line);
-    alignas(32) float d[TILE], ds[K_SUB][TILE][2];  // [sub-block][row][half]
-    simd::q_scales(wc + TILE * (CODES + SUB), d, TILE);
-    for (int j = 0; j < TILE; ++j) q6k_sub_scales(wc + TILE * CODES + j * SUB, d[j], &ds[0][j][0], TILE * 2);
+    k_scales<T>(wc, k);
     for (int s = 0; s < K_SUB; ++s) {
       simd::QScale xs[G];
       for (int g = 0; g < G; ++g) xs[g] = simd::q_splat(x.scales[(m0 + g) * blocks + c * K_SUB + s]);
       for (int p = 0; p < PAIRS; ++p) {
         const int j = p * simd::QJ;
-        const simd::QCodes w = simd::q6k_decode(wc + j * CODES, CODES, s);
-        const simd::QScale dh = simd::q_half_scales(&ds[s][j][0]);
+        const simd::QCodes w = k_decode<T>(wc + j * CODES, s);
+        const simd::QScale d = simd::q_half_scales(&k.ds[s][j][0]), m = simd::q_row_scales(&k.ms[s][j]);
         for (int g = 0; g < G; ++g) {
           const int64_t b = (m0 + g) * blocks + c * K_SUB + s;
-          acc[g][p] = simd::q_madd<false, 32, false>(acc[g][p], w, dh, dh, x.q.data() + b * Q_BLOCK, xs[g],
-                                                     x.sums.data() + b * 8, x.scaled.data() + b * 8);
+          acc[g][p] = simd::q_madd<false, Q4K ? 0 : 32, Q4K>(acc[g][p], w, d, m, x.q.data() + b * Q_BLOCK, xs[g],
+                                                             x.sums.data() + b * 8, x.scaled.data() + b * 8);
         }
       }
     }
@@ -491,10 +488,8 @@ void q6k_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float*
 template <Ggml T, int G>
 void tile_rows_of(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* y, int64_t in, int64_t out,
                   int64_t first) {
-  if constexpr (T == Ggml::Q4_K) {
-    q4k_tile_rows<G>(tile, x, m0, y, in, out, first);
-  } else if constexpr (T == Ggml::Q6_K) {
-    q6k_tile_rows<G>(tile, x, m0, y, in, out, first);
+  if constexpr (T == Ggml::Q4_K || T == Ggml::Q6_K) {
+    k_tile_rows<T, G>(tile, x, m0, y, in, out, first);
   } else {
     ggml_tile_rows<T, G>(tile, x, m0, y, in, out, first);
   }
@@ -769,28 +764,15 @@ void each_block(const uint8_t* wc, Ggml t, int64_t rows, F f) {
   alignas(64) int8_t q[simd::QJ * Q_BLOCK];
   alignas(32) float dm[2 * TILE] = {};
   const int64_t codes = q_code_bytes(t);
-  if (t == Ggml::Q6_K) {
-    float ds[K_SUB][TILE][2];
-    simd::q_scales(wc + TILE * (codes + 16), dm, TILE);
-    for (int j = 0; j < TILE; ++j) q6k_sub_scales(wc + TILE * codes + j * 16, dm[j], &ds[0][j][0], TILE * 2);
-    for (int64_t j = 0; j < rows; ++j)
-      for (int s = 0; s < K_SUB; ++s) {
-        const int64_t first = j / simd::QJ * simd::QJ;
-        simd::q_store(q, simd::q6k_decode(wc + first * codes, codes, s), j % simd::QJ);
-        f(j, s, q, ds[s][j], 0.f);
-      }
-    return;
-  }
-  if (t == Ggml::Q4_K) {
-    float ds[K_SUB][TILE], ms[K_SUB][TILE];
-    simd::q_scales(wc + TILE * (codes + 12), dm, 2 * TILE);
-    for (int j = 0; j < TILE; ++j) q4k_sub_scales(wc + TILE * codes + j * 12, dm[j], dm[TILE + j], &ds[0][j], &ms[0][j], TILE);
+  if (k_quant(t)) {
+    KScales k{};
+    t == Ggml::Q4_K ? k_scales<Ggml::Q4_K>(wc, k) : k_scales<Ggml::Q6_K>(wc, k);
     for (int64_t j = 0; j < rows; ++j)
       for (int s = 0; s < K_SUB; ++s) {
         const int64_t first = j / simd::QJ * simd::QJ;  // the decode takes QJ rows
-        simd::q_store(q, simd::q4k_decode(wc + first * codes + s / 2 * 32, codes, s % 2), j % simd::QJ);
-        const float both[2] = {ds[s][j], ds[s][j]};
-        f(j, s, q, both, ms[s][j]);
+        const uint8_t* row = wc + first * codes;
+        simd::q_store(q, t == Ggml::Q4_K ? k_decode<Ggml::Q4_K>(row, s) : k_decode<Ggml::Q6_K>(row, s), j % simd::QJ);
+        f(j, s, q, k.ds[s][j], t == Ggml::Q4_K ? k.ms[s][j] : 0.f);
       }
     return;
   }
