@@ -150,10 +150,6 @@ enum class Ggml : int64_t { NONE = -1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, 
 constexpr int64_t Q_BLOCK = 32;  // weights per GGUF block (per K-quant sub-block), along a row
 constexpr int64_t K_BLOCK = 256, K_SUB = K_BLOCK / Q_BLOCK;  // a K-quant super-block: 8 sub-blocks of 32
 bool k_quant(Ggml t) { return t == Ggml::Q4_K || t == Ggml::Q6_K; }
-// Bytes of a GGUF tile prefetched ahead of the one being read, on every build: SmolLM2's 211 Q4_1 and
-// Q8_0 matrices (96 MB) at one row took 12.45 ms without and 5.60 ms with it (AVX-512 build, AMX Xeon,
-// 2 threads): without it the hardware prefetcher alone fell behind the tiles' 72-136 byte blocks.
-constexpr int64_t Q_PREFETCH = 4096;
 
 // Per row and block (K-quants: super-block): weights, bytes of codes (Q6_K: 128 of low nibbles, then
 // 64 of high 2-bit pairs), of sub-block scales (Q4_K: 12 of 6-bit scales and minima; Q6_K: 16 int8)
@@ -370,8 +366,11 @@ void ggml_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float
     for (int p = 0; p < PAIRS; ++p) acc[g][p] = simd::q_zero();
   for (int64_t c = 0; c < blocks; ++c) {
     const uint8_t* wc = tile + c * BYTES;
-    for (int64_t line = 0; line < BYTES; line += 64)
-      __builtin_prefetch(reinterpret_cast<const char*>(wc) + Q_PREFETCH + line);
+    // simd::PREFETCH ahead: SmolLM2's 211 Q4_1 and Q8_0 matrices (96 MB) at one row took 12.45 ms
+    // without it and 5.60 ms with 4 KB (AVX-512 build, AMX Xeon, 2 threads).
+    if constexpr (simd::PREFETCH > 0)
+      for (int64_t line = 0; line < BYTES; line += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(wc) + simd::PREFETCH + line);
     alignas(32) float dm[2 * TILE] = {};
     simd::q_scales(wc + TILE * CODES, dm, MIN ? 2 * TILE : TILE);
     simd::QScale xs[G];
@@ -462,8 +461,9 @@ void k_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* y
   KScales k{};
   for (int64_t c = 0; c < supers; ++c) {
     const uint8_t* wc = tile + c * BYTES;
-    for (int64_t line = 0; line < BYTES; line += 64)
-      __builtin_prefetch(reinterpret_cast<const char*>(wc) + Q_PREFETCH + line);
+    if constexpr (simd::PREFETCH > 0)
+      for (int64_t line = 0; line < BYTES; line += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(wc) + simd::PREFETCH + line);
     k_scales<T>(wc, k);
     for (int s = 0; s < K_SUB; ++s) {
       simd::QScale xs[G];
