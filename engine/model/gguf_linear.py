@@ -64,13 +64,9 @@ class GgufBlocks:
         _, block_bytes, weights = BLOCK_FORMATS[self.ggml_type]
         return self.raw.shape[0], self.raw.shape[1] // block_bytes * weights
 
-    @property
-    def format(self) -> str:
-        return BLOCK_FORMATS[self.ggml_type][0]
-
 
 def stack(parts: list[GgufBlocks]) -> GgufBlocks:
-    """The rows of `parts` as one weight (a fused module's); they must share a format."""
+    """The rows of `parts` as one weight (a fused module's); they must share a format and a width."""
     formats, widths = {p.ggml_type for p in parts}, {p.shape[1] for p in parts}
     if len(formats) != 1:
         raise ValueError(f"a fused layer's parts are in {sorted(BLOCK_FORMATS[t][0] for t in formats)}: "
