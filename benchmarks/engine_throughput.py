@@ -46,7 +46,13 @@ import httpx
 import torch
 
 from specloop.engine.cpu.linear import optimize_for_cpu_inference
-from specloop.engine.loaders.load import build_model, default_model_path, read_stored_model, resolve_device
+from specloop.engine.loaders.load import (
+    LoadedModel,
+    build_model,
+    default_model_path,
+    read_stored_model,
+    resolve_device,
+)
 from specloop.engine.model.tokenizer import Tokenizer
 from specloop.engine.model.transformer import Transformer
 from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
@@ -160,6 +166,17 @@ def transformers_runner(model: torch.nn.Module, pad_id: int) -> Runner:
 
 
 # ------------------------------------------------------------------------------------ llama.cpp (optional)
+
+
+def plain_runners(models: dict[str, LoadedModel], gguf: Path) -> tuple[dict[tuple[str, str], Runner],
+                                                                     set[tuple[str, str]]]:
+    """Our engine on each loaded bf16 model by system name, and llama.cpp on `gguf` where `llama_cpp`
+    is installed; with the systems that run at batch 1 only (llama.cpp)."""
+    runners = {(name, "bfloat16"): engine_runner(m.model, m.tokenizer.eos_token_ids) for name, m in models.items()}
+    if importlib.util.find_spec("llama_cpp") is None:
+        return runners, set()
+    runners[("llama.cpp", "Q4_1")] = llama_cpp_runner(gguf)
+    return runners, {("llama.cpp", "Q4_1")}
 
 
 def llama_cpp_runner(gguf: Path) -> Runner:

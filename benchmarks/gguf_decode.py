@@ -19,7 +19,6 @@ Writes `benchmarks/results/gguf_decode.json` and prints markdown tables. Run:
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -91,12 +90,7 @@ def main() -> None:
     machine = describe()
     loaded = {name: load_for_inference(gguf, torch.bfloat16, cpu, weights) for name, weights in SYSTEMS.items()}
     tokenizer = loaded["specloop bf16"].tokenizer
-    runners = {(name, "bfloat16"): engine_throughput.engine_runner(m.model, m.tokenizer.eos_token_ids)
-               for name, m in loaded.items()}
-    batch1_only = set()
-    if importlib.util.find_spec("llama_cpp") is not None:
-        runners[("llama.cpp", "Q4_1")] = engine_throughput.llama_cpp_runner(gguf)
-        batch1_only.add(("llama.cpp", "Q4_1"))
+    runners, batch1_only = engine_throughput.plain_runners(loaded, gguf)
     plain = engine_throughput.measure(runners, engine_throughput.chat_prompts(tokenizer), args.new_tokens,
                                       args.repeats, batch1_only)
     read = machine["memory_read_gb_s"]

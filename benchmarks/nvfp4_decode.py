@@ -15,7 +15,6 @@ Targets (issue 19): NVFP4 at least 1.8x our bf16 at batch 1, and ahead of llama.
 """
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -30,12 +29,10 @@ from specloop.engine.loaders.weight_format import WeightFormat
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # `benchmarks`; last, so no folder shadows a package
 from benchmarks.engine_throughput import (  # noqa: E402
     Row,
-    Runner,
     chat_prompts,
-    engine_runner,
-    llama_cpp_runner,
     markdown_table,
     measure,
+    plain_runners,
 )
 from benchmarks.machine import describe  # noqa: E402
 
@@ -66,16 +63,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cpu, gguf = torch.device("cpu"), default_model_path()
     load_before = os.getloadavg()[0]
-    runners: dict[tuple[str, str], Runner] = {}
-    prompts = None
-    for name, weights in SYSTEMS.items():
-        loaded = load_for_inference(gguf, torch.bfloat16, cpu, weights)
-        prompts = prompts or chat_prompts(loaded.tokenizer)
-        runners[(name, "bfloat16")] = engine_runner(loaded.model, loaded.tokenizer.eos_token_ids)
-    batch1_only = set()
-    if importlib.util.find_spec("llama_cpp") is not None:
-        runners[("llama.cpp", "Q4_1")] = llama_cpp_runner(gguf)
-        batch1_only.add(("llama.cpp", "Q4_1"))
+    loaded = {name: load_for_inference(gguf, torch.bfloat16, cpu, weights) for name, weights in SYSTEMS.items()}
+    runners, batch1_only = plain_runners(loaded, gguf)
+    prompts = chat_prompts(loaded["specloop bf16"].tokenizer)
     rows = measure(runners, prompts, args.new_tokens, args.repeats, batch1_only)
     report = {
         "model": gguf.name,

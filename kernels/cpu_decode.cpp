@@ -149,20 +149,20 @@ void check_matrix(const at::Tensor& t, at::ScalarType dtype, const char* name) {
 enum class Ggml : int64_t { NONE = -1, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 };
 constexpr int64_t Q_BLOCK = 32;  // weights per GGUF block (per K-quant sub-block), along a row
 constexpr int64_t K_BLOCK = 256, K_SUB = K_BLOCK / Q_BLOCK;  // a K-quant super-block: 8 sub-blocks of 32
-bool k_quant(Ggml t) { return t == Ggml::Q4_K || t == Ggml::Q6_K; }
+constexpr bool k_quant(Ggml t) { return t == Ggml::Q4_K || t == Ggml::Q6_K; }
 
 // Per row and block (K-quants: super-block): weights, bytes of codes (Q6_K: 128 of low nibbles, then
 // 64 of high 2-bit pairs), of sub-block scales (Q4_K: 12 of 6-bit scales and minima; Q6_K: 16 int8)
 // and of fp16 scales (d; d and m for Q4_1; d and dmin for Q4_K), as the file stores them. A block
 // stores the fp16 scales first, then the sub-block scales, then the codes; Q6_K the other way round.
-int64_t q_block_weights(Ggml t) { return k_quant(t) ? K_BLOCK : Q_BLOCK; }
-int64_t q_code_bytes(Ggml t) {
+constexpr int64_t q_block_weights(Ggml t) { return k_quant(t) ? K_BLOCK : Q_BLOCK; }
+constexpr int64_t q_code_bytes(Ggml t) {
   return t == Ggml::Q6_K ? 192 : t == Ggml::Q4_K ? 128 : t == Ggml::Q8_0 ? 32 : 16;
 }
-int64_t q_sub_scale_bytes(Ggml t) { return t == Ggml::Q6_K ? 16 : t == Ggml::Q4_K ? 12 : 0; }
-int64_t q_scale_bytes(Ggml t) { return t == Ggml::Q4_1 || t == Ggml::Q4_K ? 4 : 2; }
-int64_t q_block_bytes(Ggml t) { return q_code_bytes(t) + q_sub_scale_bytes(t) + q_scale_bytes(t); }
-int64_t q_tile_bytes(Ggml t) { return TILE * q_block_bytes(t); }
+constexpr int64_t q_sub_scale_bytes(Ggml t) { return t == Ggml::Q6_K ? 16 : t == Ggml::Q4_K ? 12 : 0; }
+constexpr int64_t q_scale_bytes(Ggml t) { return t == Ggml::Q4_1 || t == Ggml::Q4_K ? 4 : 2; }
+constexpr int64_t q_block_bytes(Ggml t) { return q_code_bytes(t) + q_sub_scale_bytes(t) + q_scale_bytes(t); }
+constexpr int64_t q_tile_bytes(Ggml t) { return TILE * q_block_bytes(t); }
 
 // A weight packed by `pack` (bf16 or fp32), `pack_nvfp4` or `pack_ggml` (uint8), with its true number
 // of output rows and, for NVFP4, its tensor scale, for GGUF blocks their format.
@@ -357,8 +357,7 @@ void ggml_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float
                     int64_t first) {
   constexpr bool SIGNED = T == Ggml::Q8_0, MIN = T == Ggml::Q4_1;
   constexpr int OFFSET = T == Ggml::Q4_0 ? 8 : 0;
-  constexpr int64_t CODES = T == Ggml::Q8_0 ? 32 : 16, SCALES = MIN ? 4 : 2;
-  constexpr int64_t BYTES = TILE * (CODES + SCALES);
+  constexpr int64_t CODES = q_code_bytes(T), BYTES = q_tile_bytes(T);
   constexpr int PAIRS = TILE / simd::QJ;  // accumulators per activation row
   const int64_t blocks = in / Q_BLOCK;
   simd::QAcc acc[G][PAIRS];
@@ -422,7 +421,7 @@ struct KScales {
 template <Ggml T>
 void k_scales(const uint8_t* wc, KScales& k) {
   constexpr bool Q4K = T == Ggml::Q4_K;
-  constexpr int64_t CODES = Q4K ? 128 : 192, SUB = Q4K ? 12 : 16;
+  constexpr int64_t CODES = q_code_bytes(T), SUB = q_sub_scale_bytes(T);
   alignas(32) float dm[2 * TILE];
   simd::q_scales(wc + TILE * (CODES + SUB), dm, Q4K ? 2 * TILE : TILE);
   for (int j = 0; j < TILE; ++j) {
@@ -439,9 +438,9 @@ void k_scales(const uint8_t* wc, KScales& k) {
 template <Ggml T>
 simd::QCodes k_decode(const uint8_t* row, int s) {
   if constexpr (T == Ggml::Q4_K) {
-    return simd::q4k_decode(row + s / 2 * 32, 128, s % 2);
+    return simd::q4k_decode(row + s / 2 * 32, q_code_bytes(T), s % 2);
   } else {
-    return simd::q6k_decode(row, 192, s);
+    return simd::q6k_decode(row, q_code_bytes(T), s);
   }
 }
 
@@ -453,7 +452,7 @@ void k_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* y
                  int64_t first) {
   constexpr bool Q4K = T == Ggml::Q4_K;
   constexpr int PAIRS = TILE / simd::QJ;
-  constexpr int64_t CODES = Q4K ? 128 : 192, BYTES = TILE * (CODES + (Q4K ? 12 + 4 : 16 + 2));
+  constexpr int64_t CODES = q_code_bytes(T), BYTES = q_tile_bytes(T);
   const int64_t supers = in / K_BLOCK, blocks = in / Q_BLOCK;
   simd::QAcc acc[G][PAIRS];
   for (int g = 0; g < G; ++g)

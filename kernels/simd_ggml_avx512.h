@@ -12,6 +12,9 @@
 
 #include <cstdint>
 
+#include "simd_fp4_x86.h"
+#include "simd_half_x86.h"
+
 namespace simd {
 
 constexpr int QJ = 2;  // tile rows per accumulator
@@ -19,15 +22,6 @@ using QAcc = __m512;
 using QCodes = __m512i;  // two rows' 32 codes of a block, row j in the low half
 
 inline QAcc q_zero() { return _mm512_setzero_ps(); }
-
-// n (4 or 8) fp16 scales -> fp32, exactly.
-inline void q_scales(const uint8_t* half, float* out, int n) {
-  if (n == 8) {
-    _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(half))));
-  } else {
-    _mm_storeu_ps(out, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(half))));
-  }
-}
 
 // Two consecutive rows' 16 bytes of nibbles -> [row j: low nibbles, high nibbles | row j + 1: ...].
 inline QCodes q4_decode(const uint8_t* qs) {
@@ -104,10 +98,7 @@ inline QAcc q_madd(QAcc acc, QCodes w, QScale d, QScale m, const int8_t* xq, QSc
 
 inline float q_reduce(QAcc x, int row) {
   const __m512d p = _mm512_castps_pd(x);
-  const __m256 h = _mm256_castpd_ps(row ? _mm512_extractf64x4_pd(p, 1) : _mm512_extractf64x4_pd(p, 0));
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  return fp4_reduce(_mm256_castpd_ps(row ? _mm512_extractf64x4_pd(p, 1) : _mm512_extractf64x4_pd(p, 0)));
 }
 
 }  // namespace simd

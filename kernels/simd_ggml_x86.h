@@ -19,6 +19,9 @@
 
 #include <cstdint>
 
+#include "simd_fp4_x86.h"
+#include "simd_half_x86.h"
+
 namespace simd {
 
 constexpr int QJ = 1;  // tile rows per accumulator
@@ -32,15 +35,6 @@ inline QScale q_row_scales(const float* s) { return _mm256_set1_ps(*s); }
 // Q6_K's two scales of a sub-block, s[0] for elements 0-15 (lanes 0-3), s[1] for 16-31.
 inline QScale q_half_scales(const float* s) { return _mm256_set_m128(_mm_set1_ps(s[1]), _mm_set1_ps(s[0])); }
 inline QScale q_splat(float x) { return _mm256_set1_ps(x); }
-
-// n (4 or 8) fp16 scales -> fp32, exactly.
-inline void q_scales(const uint8_t* half, float* out, int n) {
-  if (n == 8) {
-    _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(half))));
-  } else {
-    _mm_storeu_ps(out, _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(half))));
-  }
-}
 
 // 16 bytes of nibbles -> [low nibbles (elements 0-15) | high nibbles (16-31)].
 inline QCodes q4_decode(const uint8_t* qs) {
@@ -98,10 +92,6 @@ inline QAcc q_madd(QAcc acc, QCodes w, QScale d, QScale m, const int8_t* xq, QSc
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, xs), acc);
 }
 
-inline float q_reduce(QAcc x, int /*row*/) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+inline float q_reduce(QAcc x, int /*row*/) { return fp4_reduce(x); }  // the same 8-lane tree
 
 }  // namespace simd

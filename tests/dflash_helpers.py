@@ -1,13 +1,14 @@
-"""Tiny random target models and drafters shared by the DFlash tests (seconds on a CPU), and the
-target's greedy answers as stored data."""
+"""Tiny random target models and drafters shared by the DFlash tests (seconds on a CPU), the
+target's greedy answers as stored data, and greedy decoding with and without a proposer side by side."""
 
 import torch
 
 from specloop.engine.model.config import ModelConfig
 from specloop.engine.model.transformer import Transformer
 from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
-from specloop.engine.runtime.sequence import SamplingParams
+from specloop.engine.runtime.sequence import SamplingParams, Sequence
 from specloop.engine.speculation.dflash import DFlashConfig, DFlashDrafter
+from specloop.engine.speculation.proposer import Proposer
 from specloop.storage.sequences import TokenSequence
 
 
@@ -40,3 +41,13 @@ def greedy_outputs(target: Transformer, prompts: list[tuple[int, ...]], max_toke
     engine = LLMEngine(target, EngineConfig(num_slots=2, max_len=64), ())
     out = engine.generate([list(p) for p in prompts], SamplingParams(max_tokens=max_tokens, temperature=0.0))
     return [TokenSequence(p, tuple(s.output_ids)) for p, s in zip(prompts, out)]
+
+
+def plain_and_speculative(model: Transformer, prompts: list[list[int]], proposer: Proposer, max_tokens: int,
+                          max_len: int) -> tuple[list[list[int]], list[Sequence]]:
+    """`model`'s greedy answers to `prompts` without speculation, and its sequences with `proposer`
+    (one slot per prompt): a lossless proposer leaves the answers equal."""
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    config = EngineConfig(num_slots=len(prompts), max_len=max_len)
+    plain = [s.output_ids for s in LLMEngine(model, config, []).generate(prompts, greedy)]
+    return plain, LLMEngine(model, config, [], proposer=proposer).generate(prompts, greedy)

@@ -113,6 +113,5 @@ def apply_gguf(model: nn.Module, blocks: dict[str, GgufBlocks], kernel: ModuleTy
         old = modules[name]
         if b.shape != tuple(old.weight.shape):
             raise ValueError(f"{name}: GGUF blocks {b.shape} do not match the module's {tuple(old.weight.shape)}")
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, GgufLinear(b, old.bias, old.weight.dtype, kernel, dense_large_passes=name != "lm_head"))
+        new = GgufLinear(b, old.bias, old.weight.dtype, kernel, dense_large_passes=name != "lm_head")
+        model.set_submodule(name, new)

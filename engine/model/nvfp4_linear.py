@@ -66,9 +66,7 @@ def apply_nvfp4(model: nn.Module, weights: dict[str, NVFP4Weight]) -> None:
         old = modules[name]
         if q.shape != tuple(old.weight.shape):
             raise ValueError(f"{name}: NVFP4 weight {q.shape} does not match the module's {tuple(old.weight.shape)}")
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
         device, dtype = old.weight.device, old.weight.dtype
         q = NVFP4Weight(q.packed.to(device), q.block_scale.to(device), q.tensor_scale.to(device))
         new = Nvfp4Embedding(q, dtype) if isinstance(old, nn.Embedding) else Nvfp4Linear(q, old.bias, dtype)
-        setattr(parent, attr, new)
+        model.set_submodule(name, new)

@@ -15,8 +15,8 @@ from gguf.quants import dequantize, quantize
 from specloop.engine.cpu.linear import optimize_for_cpu_inference
 from specloop.engine.loaders.load import load_for_inference, load_model
 from specloop.engine.loaders.weight_format import WeightFormat
-from specloop.engine.model.gguf_linear import GgufBlocks, GgufLinear, apply_gguf, stack
 from specloop.engine.model.config import ModelConfig
+from specloop.engine.model.gguf_linear import GgufBlocks, GgufLinear, apply_gguf, stack
 from specloop.engine.model.kv_cache import AttnBatch, KVCache
 from specloop.engine.model.nvfp4_linear import linear_modules
 from specloop.engine.model.transformer import Transformer
@@ -25,7 +25,7 @@ from specloop.engine.runtime.sampler import SamplingParams
 from specloop.engine.speculation.dflash_proposer import DFlashProposer
 from specloop.engine.speculation.ngram import NgramProposer
 from specloop.kernels.cpu_decode import cpu_plan, load
-from tests.dflash_helpers import tiny_drafter, tiny_target
+from tests.dflash_helpers import plain_and_speculative, tiny_drafter, tiny_target
 from tests.kernels.test_cpu_ggml import Q4_K, Q6_K, k_quant_blocks
 
 MAX_LEN = 64
@@ -124,11 +124,7 @@ def test_greedy_speculation_is_lossless(tiny_llama_dir: Path) -> None:
     model, _ = to_gguf(load_model(tiny_llama_dir, torch.bfloat16, CPU).model)
     g = torch.Generator().manual_seed(2)
     prompts = [(torch.randint(0, 300, (4,), generator=g).tolist() * 4)[:14] for _ in range(3)]
-    greedy = SamplingParams(max_tokens=20, temperature=0.0)
-    plain = [s.output_ids for s in LLMEngine(model, EngineConfig(num_slots=3, max_len=MAX_LEN), []).generate(
-        prompts, greedy)]
-    spec = LLMEngine(model, EngineConfig(num_slots=3, max_len=MAX_LEN), [], proposer=NgramProposer(block_size=4))
-    out = spec.generate(prompts, greedy)
+    plain, out = plain_and_speculative(model, prompts, NgramProposer(block_size=4), 20, MAX_LEN)
     assert [s.output_ids for s in out] == plain
     assert sum(s.spec.accepted_tokens for s in out) > 0
 
@@ -137,11 +133,8 @@ def test_greedy_dflash_speculation_is_lossless_on_a_gguf_target() -> None:
     target, _ = to_gguf(tiny_target(hidden=64).requires_grad_(False))
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (9, 17, 4)]
-    greedy = SamplingParams(max_tokens=24, temperature=0.0)
-    plain = [s.output_ids for s in LLMEngine(target, EngineConfig(num_slots=3, max_len=MAX_LEN), []).generate(
-        prompts, greedy)]
     proposer = DFlashProposer(tiny_drafter(target, block_size=4, num_layers=2), target)
-    out = LLMEngine(target, EngineConfig(num_slots=3, max_len=MAX_LEN), [], proposer=proposer).generate(prompts, greedy)
+    plain, out = plain_and_speculative(target, prompts, proposer, 24, MAX_LEN)
     assert [s.output_ids for s in out] == plain
     assert proposer.fused is not None and sum(s.spec.drafts for s in out) > 0
 
