@@ -20,7 +20,10 @@ which holds out a share of the prompts by hash and never sends them
   - replayed: the target's greedy answers to every held-out prompt replayed 8 at a time in order
     (`daemon/evaluation/replay.py`), τ per position and the decode speed the daemon's contest models
     from this machine's step costs, with the paired-bootstrap gain over suffix alone.
-- the loop's gain: the retrained drafter + suffix over suffix alone, τ and tokens/s, live and replayed.
+- the loop's gain: the retrained drafter + suffix over suffix alone, τ and tokens/s, live and replayed;
+- with `--other-recipe`, beside them a drafter trained afterwards on the run's own training traces,
+  warm start, seed and budget with the demo policy's `training.skip_suffix_covered` flipped (anchoring
+  blocks, or not, where suffix decoding drafts in the drafter's place), and its gain over suffix alone.
 
 Also reported: the cycle's wall-clock from the trigger (the run's start) to the gate's decision, each
 step's seconds, the gate's verdict and reason. A refused challenger is measured all the same (it is
@@ -56,6 +59,7 @@ HELDOUT_FRACTION = 0.25  # `specloop replay`'s default, which `specloop up --dem
 MAX_TOKENS = 192  # as the demo traffic
 CONCURRENCY = 4  # the demo traffic's
 SUFFIX, SHIPPED, RETRAINED = "suffix", "v1 (shipped) + suffix", "retrained + suffix"
+RECIPE = "retrained, other recipe + suffix"  # `--other-recipe`: skip_suffix_covered flipped
 
 
 def main() -> None:
@@ -68,6 +72,10 @@ def main() -> None:
     parser.add_argument("--prompts-file", type=Path, default=None, help='--prompts file: JSONL of {"messages": [...]}')
     parser.add_argument("--live-prompts", type=int, default=32, help="held-out prompts generated live per system")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--other-recipe", action="store_true",
+                        help="also train, after the cycle, a drafter on the run's dataset with the policy's "
+                             "`training.skip_suffix_covered` flipped (same seed, warm start and budget), "
+                             "measured beside")
     args = parser.parse_args()
     data = args.data_dir or Path(tempfile.mkdtemp(prefix="specloop-cycle-"))
     data.mkdir(parents=True, exist_ok=True)
@@ -104,12 +112,17 @@ def main() -> None:
         up.send_signal(signal.SIGTERM)
         up.wait(300)
     report["live_traffic"] = traffic_tau(data / "demo" / "traffic.jsonl")
-    report.update(systems(data, decided["run"]["run_id"], heldout, version, args.live_prompts, args.concurrency))
+    recipe = other_recipe(data, decided["run"]["run_id"]) if args.other_recipe else None
+    if recipe is not None:
+        report["other_recipe"] = recipe[1]
+    report.update(systems(data, decided["run"]["run_id"], heldout, version, args.live_prompts, args.concurrency,
+                          None if recipe is None else recipe[0]))
     png = data / "daemon" / "live_tau.png"
     if png.exists():
         shutil.copy(png, args.out.with_name(f"{args.out.stem}_live_tau.png"))
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: report.get(k) for k in ("cycle_seconds", "gate", "loop_gain")}, indent=2))
+    print(json.dumps({k: report.get(k) for k in ("cycle_seconds", "gate", "loop_gain", "other_recipe_gain")},
+                     indent=2))
 
 
 def evals_mix(path: Path, count: int = 220, max_chars: int = 2000) -> Path:
@@ -184,10 +197,43 @@ def traffic_tau(records: Path) -> dict:
             for v, (d, a, n) in by_version.items()}
 
 
+def other_recipe(data: Path, run_id: str) -> tuple[Path, dict]:
+    """A drafter trained as the daemon's run was (its training traces, the shipped drafter as warm start,
+    its seed, dtype and budget), with `training.skip_suffix_covered` flipped; its artifact and settings."""
+    import threading
+
+    import pyarrow.parquet as pq
+    import torch
+
+    from specloop.daemon.retrain.challenger import train_challenger, train_config, training_dtype
+    from specloop.daemon.retrain.policy import load_policy
+    from specloop.daemon.retrain.run import run_seed
+    from specloop.daemon.shipped_drafters import shipped_drafters
+    from specloop.engine.loaders.load import load_for_inference, resolve_device
+    from specloop.storage.sequences import TokenSequence
+
+    policy = load_policy(Path(__file__).resolve().parents[1] / "daemon" / "policies" / "demo.yaml")
+    skip = not policy.training.skip_suffix_covered
+    dtype = training_dtype(policy.training.dtype)
+    loaded = load_for_inference(None, getattr(torch, dtype), resolve_device(None))
+    table = pq.read_table(data / "daemon" / "runs" / run_id / "dataset" / "train.parquet",
+                          columns=["prompt_token_ids", "response_token_ids"])  # in arrival order, as the run read it
+    train = [TokenSequence(tuple(p), tuple(r)) for p, r in zip(
+        table["prompt_token_ids"].to_pylist(), table["response_token_ids"].to_pylist(), strict=True)]
+    cfg = train_config(policy.training.model_copy(update={"skip_suffix_covered": skip}), data / "bench" / "recipe",
+                       shipped_drafters()[loaded.fingerprint], run_seed(run_id), dtype, len(train))
+    started = time.monotonic()
+    result = train_challenger(cfg, loaded.model, loaded.fingerprint, train, lambda: None, threading.Event())
+    print("other recipe trained", result.steps, "steps", flush=True)
+    return result.artifact, {"skip_suffix_covered": skip, "train_traces": len(train), "steps": result.steps,
+                             "stop_reason": result.stop_reason, "seconds": round(time.monotonic() - started, 1)}
+
+
 def systems(data: Path, run_id: str, heldout: list, version: str, live_prompts: int,
-            concurrency: list[int]) -> dict:
-    """Suffix alone, v1 + suffix and the retrained drafter + suffix on the held-out prompts, live and
-    replayed, each over a fresh suffix cache warmed by the run's consented traces."""
+            concurrency: list[int], recipe: Path | None = None) -> dict:
+    """Suffix alone, v1 + suffix and the retrained drafter + suffix (and the other recipe's) on the
+    held-out prompts, live and replayed, each over a fresh suffix cache warmed by the run's consented
+    traces."""
     import pyarrow.parquet as pq
     import torch
 
@@ -223,6 +269,9 @@ def systems(data: Path, run_id: str, heldout: list, version: str, live_prompts: 
     retrained = registry.version(loaded.fingerprint, version.removeprefix("v"))
     artifacts = {SHIPPED: shipped_drafters()[loaded.fingerprint],
                  RETRAINED: registry.download(retrained, data / "bench", max_artifact_bytes(target.config))}
+    if recipe is not None:
+        artifacts[RECIPE] = recipe
+    names = (SUFFIX, *artifacts)
     drafters = {name: load_drafter(path, loaded.fingerprint, target.device, target.dtype).drafter
                 for name, path in artifacts.items()}
 
@@ -236,7 +285,7 @@ def systems(data: Path, run_id: str, heldout: list, version: str, live_prompts: 
 
     costs = CostModel(target, [list(s.tokens) for s in answers[:8]], NAMESPACE)
     replayed = {}
-    for name in (SUFFIX, SHIPPED, RETRAINED):
+    for name in names:
         p = proposer(name, NAMESPACE)
         replayed[name] = replay(p, answers, target, cost=costs.cost(p))
         print("replayed", name, round(replayed[name].tau, 3), round(replayed[name].tokens_per_s, 1), flush=True)
@@ -245,7 +294,7 @@ def systems(data: Path, run_id: str, heldout: list, version: str, live_prompts: 
     for c in concurrency:
         plain_s, _, plain_out = live_generation(loaded, None, prompts, c, MAX_TOKENS)
         row = {"plain": {"tokens_per_s": round(plain_s, 1)}}
-        for name in (SUFFIX, SHIPPED, RETRAINED):
+        for name in names:
             # generate() serves tenant "": the proposer's cache holds the warm traces under that name
             tok_s, tau, outputs = live_generation(loaded, proposer(name, ""), prompts, c, MAX_TOKENS)
             row[name] = {"tokens_per_s": round(tok_s, 1), "speedup": round(tok_s / plain_s, 3),
@@ -253,7 +302,7 @@ def systems(data: Path, run_id: str, heldout: list, version: str, live_prompts: 
             print("live", f"c{c}", name, json.dumps(row[name]), flush=True)
         live[f"c{c}"] = row
     gains = {name: paired_speed_gain(replayed[SUFFIX].seconds, replayed[name].seconds).to_json()
-             for name in (SHIPPED, RETRAINED)}
+             for name in names[1:]}
     return {
         "retrained_version": retrained.label, "retrained_tags": dict(retrained.tags),
         "warm_traces": len(earlier), "replayed_heldout": {
@@ -266,18 +315,19 @@ def systems(data: Path, run_id: str, heldout: list, version: str, live_prompts: 
                         for name, st in replayed.items()}},
         "live_systems": {"prompts": len(prompts), "max_tokens": MAX_TOKENS, **live},
         "loop_gain": _loop_gain(replayed, live),
+        **({"other_recipe_gain": _loop_gain(replayed, live, RECIPE)} if RECIPE in replayed else {}),
     }
 
 
-def _loop_gain(replayed: dict, live: dict) -> dict:
-    """The retrained drafter + suffix over suffix alone: τ and tokens/s ratios − 1."""
-    out = {"replayed_tau": round(replayed[RETRAINED].tau / replayed[SUFFIX].tau - 1, 3),
-           "replayed_modelled_tokens_per_s": round(replayed[RETRAINED].tokens_per_s / replayed[SUFFIX].tokens_per_s
+def _loop_gain(replayed: dict, live: dict, system: str = RETRAINED) -> dict:
+    """`system` (the retrained drafter + suffix) over suffix alone: τ and tokens/s ratios − 1."""
+    out = {"replayed_tau": round(replayed[system].tau / replayed[SUFFIX].tau - 1, 3),
+           "replayed_modelled_tokens_per_s": round(replayed[system].tokens_per_s / replayed[SUFFIX].tokens_per_s
                                                    - 1, 3)}
     for c, row in live.items():
-        if row[SUFFIX]["tau"] and row[RETRAINED]["tau"]:
-            out[f"live_{c}_tau"] = round(row[RETRAINED]["tau"] / row[SUFFIX]["tau"] - 1, 3)
-        out[f"live_{c}_tokens_per_s"] = round(row[RETRAINED]["tokens_per_s"] / row[SUFFIX]["tokens_per_s"] - 1, 3)
+        if row[SUFFIX]["tau"] and row[system]["tau"]:
+            out[f"live_{c}_tau"] = round(row[system]["tau"] / row[SUFFIX]["tau"] - 1, 3)
+        out[f"live_{c}_tokens_per_s"] = round(row[system]["tokens_per_s"] / row[SUFFIX]["tokens_per_s"] - 1, 3)
     return out
 
 

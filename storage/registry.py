@@ -76,6 +76,9 @@ class Tag:
     BOOTSTRAP_FROM = "bootstrap_from"  # the base model whose prompts a first drafter was trained on
     TAU_CANARY = "tau_canary"  # τ on the canary probes at registration (engine/speculation/canary.py)
     TRAINED_ON_ERASED = "trained_on_erased"  # how many subjects erased since were in its training set
+    # Its modelled decode-speed gain (drafter + suffix decoding over suffix decoding alone) in the newest
+    # contest that replayed it; engines draft with it only while this is above zero (or not measured yet).
+    SPEED_OVER_SUFFIX = "speed_over_suffix"
 
 
 class Approval(StrEnum):
@@ -132,6 +135,12 @@ class DrafterVersion:
     @property
     def tau_champion(self) -> float | None:
         return _float_tag(self.tags, Tag.TAU_CHAMPION)
+
+    @property
+    def speed_over_suffix(self) -> float | None:
+        """`Tag.SPEED_OVER_SUFFIX`, or None when no contest measured it (or a hand-set value does not parse)."""
+        value = self.tags.get(Tag.SPEED_OVER_SUFFIX)
+        return float(value) if value is not None and _is_finite_float(value) else None
 
     @property
     def approval(self) -> Approval | None:
@@ -466,7 +475,7 @@ def _check_download(directory: Path, v: DrafterVersion) -> None:
 
 def _checked_tags(tags: Mapping[str, str], base_model: str) -> dict[str, str]:
     """`tags` as a dict, refusing values the daemon and engine could not read back."""
-    for key in (Tag.TAU_CHALLENGER, Tag.TAU_CHAMPION, Tag.TAU_CANARY):
+    for key in (Tag.TAU_CHALLENGER, Tag.TAU_CHAMPION, Tag.TAU_CANARY, Tag.SPEED_OVER_SUFFIX):
         if key in tags and not _is_finite_float(tags[key]):
             raise ValueError(f"tags[{key!r}] must be a finite float as a string, got {tags[key]!r}")
     approvals = [a.value for a in Approval]

@@ -86,6 +86,7 @@ def train_config(training: Training, out_dir: Path, warm_start: Path | None, see
         block_size=None if warm_start is not None else training.block_size,
         max_steps=training.max_steps, max_seconds=training.max_minutes * 60, batch_size=training.batch_size,
         num_anchors=training.anchors, lr=training.lr, distill=training.distill, trim_vocab=True,
+        skip_suffix_covered=training.skip_suffix_covered,
         mixed_precision=dtype == "bfloat16", heldout_fraction=early_stopping_fraction(train_sequences), seed=seed,
         eval_every=max(10, training.max_steps // 8), checkpoint_every=training.max_steps, resume=False,
         progress=False, feature_cache_gb=2.0)

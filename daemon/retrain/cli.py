@@ -142,7 +142,10 @@ def _human(report: dict[str, Any]) -> str:
         v = report.get(alias)
         if v is not None:
             approval = f", approval {v['approval']}" if v["approval"] else ""
-            lines.append(f"  {alias}: {v['version']} (τ {v['tau_challenger']} vs {v['tau_champion']}{approval})")
+            benched = (f"; benched: {v['speed_over_suffix']:+.1%} against suffix decoding alone, which drafts "
+                       f"alone" if alias == "champion" and v["benched"] else "")
+            lines.append(f"  {alias}: {v['version']} (τ {v['tau_challenger']} vs {v['tau_champion']}{approval}"
+                         f"{benched})")
     if report.get("pending_approvals"):
         lines.append(f"  pending approvals: {', '.join(report['pending_approvals'])} (specloop approve VERSION)")
     lines.append(f"  next tick: {report['next_tick'] or 'not scheduled'}")

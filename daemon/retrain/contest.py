@@ -2,8 +2,10 @@
 them, judged on decode speed.
 
 Each contender is replayed as serving drafts with it by default: the drafter with suffix decoding
-(`DEFAULT_LEARNED_KIND`, `engine/speculation/kinds.py`), at the challenger's block size. Suffix decoding
-alone is the baseline, and what serving does when there is no champion. Every contender's suffix
+(`DEFAULT_LEARNED_KIND`, `engine/speculation/kinds.py`), at the challenger's block size. The baseline
+is what serves: suffix decoding alone when there is no champion or the champion decodes slower than
+it, else the champion (the champion's gain over suffix alone is tagged on it, and engines bench a
+champion whose gain is not positive: `engine/server/drafter_follower.py`). Every contender's suffix
 cache starts warmed with the run's training traces (the recent traffic a serving cache holds when a
 new drafter starts serving), and the held-out traces (the run's eval split: recent, consented,
 never trained on) are replayed in arrival order, so each learns from the ones before it as serving
@@ -49,10 +51,15 @@ class Contest:
     def tau(self, contender: str) -> float:
         return self.stats[contender].tau
 
+    def over_suffix(self, contender: str, confidence: float = 0.95) -> SpeedGain:
+        """`contender`'s decode speed (its drafter + suffix decoding) over suffix decoding alone's."""
+        return paired_speed_gain(self.stats[SUFFIX].seconds, self.stats[contender].seconds, confidence)
+
     @property
     def baseline(self) -> str:
-        """What serves today: the champion if there is one, else suffix decoding alone."""
-        return CHAMPION if CHAMPION in self.stats else SUFFIX
+        """What serves: the champion while it decodes faster than suffix decoding alone, else suffix
+        decoding alone (no champion, or one that costs more than it drafts: engines then bench it)."""
+        return CHAMPION if CHAMPION in self.stats and self.over_suffix(CHAMPION).gain > 0 else SUFFIX
 
     @property
     def tau_baseline(self) -> float:
@@ -64,8 +71,11 @@ class Contest:
 
     def metrics(self) -> dict[str, float]:
         """Flat numbers for MLflow: τ, modelled tokens/s, acceptance rate and per-position acceptance of each
-        contender, each one's step cost, and the challenger's speed gain with its interval."""
+        contender, each one's step cost and speed gain over suffix decoding alone, and the challenger's
+        speed gain over the baseline with its interval."""
         out: dict[str, float] = self.speed_gain().to_json()
+        for name in self.stats.keys() - {SUFFIX}:
+            out[f"speed_over_suffix_{name}"] = self.over_suffix(name).gain
         for name, s in self.stats.items():
             report = s.to_json()
             out[f"tau_{name}"] = report["tau"]

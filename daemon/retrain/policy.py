@@ -98,6 +98,8 @@ class Training(_Section):
     anchors: PositiveInt = 256
     lr: Positive = 3e-4
     distill: bool = True
+    # Anchor no block where suffix decoding drafts in the drafter's place (`daemon/training/suffix_covered.py`).
+    skip_suffix_covered: bool = False
     block_size: Annotated[int, Field(ge=2)] | None = None  # None: the champion's (16 for a new drafter)
     processes: PositiveInt = 1  # > 1: the trainer runs data-parallel in that many processes under torchrun
 

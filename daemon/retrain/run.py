@@ -2,8 +2,9 @@
 
 dataset (the DuckDB builder over consented traces of the served base model, consent re-checked
 against a fresh snapshot, manifest written) → champion (download, for the warm start and the
-contest) → train (the challenger) → evaluate (champion, challenger and n-gram lookup replayed on
-the same held-out traces) → gate → register (one MLflow run with params, metrics, the dataset
+contest) → train (the challenger) → evaluate (suffix decoding alone, champion and challenger replayed
+on the same held-out traces; the champion tagged with its speed over suffix decoding alone, which
+decides whether engines draft with it) → gate → register (one MLflow run with params, metrics, the dataset
 through `log_inputs` with its digest, and the artifact; then one version created with every tag
 at once) → promote (move `champion`), or set `challenger` and wait for approval, or refuse.
 Consent is checked again just before `register` and just before `promote`: if any consent behind
@@ -44,7 +45,7 @@ from specloop.daemon.retrain import gate as gates
 from specloop.daemon.retrain import promotion
 from specloop.daemon.retrain.bootstrap import bootstrap
 from specloop.daemon.retrain.challenger import RunStopped, train_challenger, train_config
-from specloop.daemon.retrain.contest import CHALLENGER, Contest, run_contest
+from specloop.daemon.retrain.contest import CHALLENGER, CHAMPION, SUFFIX, Contest, run_contest
 from specloop.daemon.retrain.history import Action, PromotionHistory
 from specloop.daemon.retrain.policy import RetrainPolicy
 from specloop.daemon.retrain.run_log import RunLog, RunOutcome
@@ -145,7 +146,7 @@ class RetrainRun:
         with self._step("train"):
             warm = champion_dir if loop.policy.training.warm_start else None
             self.warm_from = None if warm is None else champion
-            cfg = train_config(loop.policy.training, self.dir / "challenger", warm, _seed(self.run_id),
+            cfg = train_config(loop.policy.training, self.dir / "challenger", warm, run_seed(self.run_id),
                                _dtype_name(loop.target), len(prepared.train))
             result = train_challenger(cfg, loop.target.model, loop.base_model, prepared.train, self.should_stop,
                                       self.stop, loop.policy.training.processes, loop.target.source,
@@ -153,13 +154,15 @@ class RetrainRun:
         with self._step("evaluate"):
             contest = run_contest(loop.target.model, loop.base_model, prepared.heldout, result.artifact,
                                   champion_dir, prepared.slice_keys, prepared.train)
+            if champion is not None:
+                self._judge_champion(champion, contest)
         self._check_stop()
         decision = gates.decide(
             loop.policy.gate, served_base_model=loop.base_model,
             challenger_base_model=read_meta(result.artifact)["base_model_fingerprint"],
             speed=contest.speed_gain(loop.policy.gate.confidence),
             tau_challenger=contest.tau(CHALLENGER), tau_champion=contest.tau_baseline,
-            champion_label="suffix decoding alone" if champion is None else champion.label)
+            champion_label=_baseline_label(contest, champion))
         log.info("run %s: gate %s: %s", self.run_id, decision.verdict, decision.reason)
         with self._step("canary"):
             tau_canary = canary_tau(loop.target, result.artifact)
@@ -215,6 +218,15 @@ class RetrainRun:
         return Prepared(manifest, train, heldout, keys, directory, manifest.content_digest,
                         consent_ids=_consent_ids(directory))
 
+    def _judge_champion(self, champion: DrafterVersion, contest: Contest) -> None:
+        """Tag the champion with its speed over suffix decoding alone on this run's held-out traces: engines
+        bench it (draft with suffix decoding alone) while that is not a gain, and serve it again once it is."""
+        gain = contest.over_suffix(CHAMPION).gain
+        if (champion.speed_over_suffix or 0.0) > 0 and gain <= 0:
+            log.warning("run %s: champion %s + suffix decoding models %+.1f%% against suffix decoding alone: "
+                        "engines bench it", self.run_id, champion.label, 100 * gain)
+        self.loop.registry.set_tags(self.loop.base_model, champion.version, {Tag.SPEED_OVER_SUFFIX: str(gain)})
+
     def _withdrawn(self, prepared: Prepared) -> str | None:
         """Why the run must stop because consent changed since its dataset was built, or None: any
         trace it trained or was judged on whose consent is no longer in force (revoked, expired), or
@@ -267,7 +279,8 @@ class RetrainRun:
             registry.log_run(mlflow_run, params, metrics, [_dataset_input(prepared)])
             tags = {**tau_tags(contest.tau(CHALLENGER), contest.tau_baseline), Tag.EVAL_SET: contest.eval_set,
                     Tag.DATASET: prepared.dataset_digest, Tag.GATE: decision.verdict.value,
-                    Tag.GATE_REASON: decision.reason, Tag.RUN: self.run_id, Tag.TAU_CANARY: f"{tau_canary:.6f}"}
+                    Tag.GATE_REASON: decision.reason, Tag.RUN: self.run_id, Tag.TAU_CANARY: f"{tau_canary:.6f}",
+                    Tag.SPEED_OVER_SUFFIX: str(contest.over_suffix(CHALLENGER).gain)}
             if decision.verdict is gates.GateVerdict.AWAIT_APPROVAL:
                 tags[Tag.APPROVAL] = Approval.PENDING.value
             if prepared.bootstrap_from is not None:
@@ -295,6 +308,15 @@ class RetrainRun:
         finally:
             self.timings[name] = round(time.monotonic() - t0, 2)
         log.info("run %s: step %s done in %.1f s", self.run_id, name, self.timings[name])
+
+
+def _baseline_label(contest: Contest, champion: DrafterVersion | None) -> str:
+    """What the challenger was measured against, for the gate's reason."""
+    if champion is None:
+        return "suffix decoding alone"
+    if contest.baseline == SUFFIX:
+        return f"suffix decoding alone (faster than {champion.label} + suffix decoding)"
+    return champion.label
 
 
 def act_on_gate(registry: DrafterRegistry, history: PromotionHistory, version: DrafterVersion,
@@ -397,7 +419,8 @@ def _dtype_name(target: LoadedModel) -> str:
     return str(target.model.dtype).removeprefix("torch.")
 
 
-def _seed(run_id: str) -> int:
+def run_seed(run_id: str) -> int:
+    """The training seed of run `run_id` (a benchmark retraining its data with another recipe reuses it)."""
     return int(uuid.uuid5(uuid.NAMESPACE_OID, run_id).int % 2**31)
 
 

@@ -1,5 +1,5 @@
-"""What `specloop status` and the daemon's /status report: per base model, the champion and the
-challenger (with its approval), pending approvals, the last runs and alias moves, and when the
+"""What `specloop status` and the daemon's /status report: per base model, the champion (and whether
+engines bench it) and the challenger (with its approval), pending approvals, the last runs and alias moves, and when the
 next tick is due.
 
 Read from the registry and the state database only, so it works with no daemon running.
@@ -65,7 +65,9 @@ def _version(v: DrafterVersion | None) -> dict[str, Any] | None:
         return None
     return {"version": v.label, "tau_challenger": v.tau_challenger, "tau_champion": v.tau_champion,
             "approval": None if v.approval is None else v.approval.value, "gate_reason": v.tags.get("gate_reason"),
-            "run": v.tags.get("retrain_run")}
+            "run": v.tags.get("retrain_run"), "speed_over_suffix": v.speed_over_suffix,
+            # engines draft with suffix decoding alone while it is not faster (engine/server/drafter_follower.py)
+            "benched": v.speed_over_suffix is not None and v.speed_over_suffix <= 0}
 
 
 def _iso(at: datetime | None) -> str | None:

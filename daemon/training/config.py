@@ -77,6 +77,8 @@ class TrainConfig:
     trim_vocab: bool = option(
         False, "Output only tokens seen in training responses (with --init-from: add them to the artifact's)")
     distill: bool = option(False, "Also anchor in prompts; labels are the target's own greedy predictions")
+    skip_suffix_covered: bool = option(
+        False, "Anchor no block where suffix decoding drafts in the drafter's place (dflash+suffix serving)")
     mixed_precision: bool = option(False, "bf16 autocast for the drafter (fp32 master weights)")
     # Target taps of training sequences kept in memory up to this size, and optionally in feature_dir
     # for later runs (`specloop.daemon.training.feature_store`).

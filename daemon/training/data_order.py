@@ -34,12 +34,13 @@ class DataOrder:
     """The training sequences of every step, epoch after epoch."""
 
     def __init__(self, train_set: list[TokenSequence], cfg: TrainConfig, device: torch.device, rank: int = 0,
-                 world_size: int = 1) -> None:
+                 world_size: int = 1, skipped: list[torch.Tensor] | None = None) -> None:
         if cfg.batch_size < world_size:
             raise ValueError(f"batch_size {cfg.batch_size} is less than the {world_size} processes: "
                              "each needs a row of every batch")
         self.train_set, self.device, self.rank, self.world_size = train_set, device, rank, world_size
         self.batch_size, self.seed, self.max_seq_len = cfg.batch_size, cfg.seed, cfg.max_seq_len
+        self.skipped = skipped  # per training sequence, the positions to anchor no block at
         self._order: tuple[int, list[int]] = (-1, [])  # (epoch, its sequence order)
 
     def batch(self, step: int) -> tuple[list[int], Batch]:
@@ -48,7 +49,8 @@ class DataOrder:
         of the processes cost about the same."""
         n, bs = len(self.train_set), self.batch_size
         idx = [self.epoch_order(i // n)[i % n] for i in range(step * bs, step * bs + bs)][self.rank::self.world_size]
-        return idx, Batch.of([self.train_set[i] for i in idx], self.max_seq_len, self.device)
+        skipped = None if self.skipped is None else [self.skipped[i] for i in idx]
+        return idx, Batch.of([self.train_set[i] for i in idx], self.max_seq_len, self.device, skipped)
 
     def response_tokens_seen(self, steps: int) -> int:
         """Response tokens in the batches of the first `steps` steps (epochs counted again)."""

@@ -41,9 +41,12 @@ class Batch:
     lengths: torch.Tensor  # [B] long
     taps: list[torch.Tensor] | None = None  # target layer outputs, each [B, S, H], once attached
     greedy_next: torch.Tensor | None = None  # [B, S] long: the target's argmax after each position (distill)
+    skipped: torch.Tensor | None = None  # [B, S] bool: positions no block is anchored at (None: none)
 
     @classmethod
-    def of(cls, seqs: list[TokenSequence], max_len: int, device: torch.device) -> "Batch":
+    def of(cls, seqs: list[TokenSequence], max_len: int, device: torch.device,
+           skipped: list[torch.Tensor] | None = None) -> "Batch":
+        """`skipped[i]`: `[len(row i)]` bool, the positions of row i to anchor no block at."""
         rows = [s.tokens[:max_len] for s in seqs]
         S = max(len(r) for r in rows)
         tokens = torch.zeros(len(rows), S, dtype=torch.long)
@@ -51,18 +54,27 @@ class Batch:
             tokens[i, :len(r)] = torch.tensor(r)
         prompt_lens = torch.tensor([min(len(s.prompt), max_len) for s in seqs])
         lengths = torch.tensor([len(r) for r in rows])
-        return cls(tokens.to(device), prompt_lens.to(device), lengths.to(device))
+        mask = None
+        if skipped is not None:
+            mask = torch.zeros(len(rows), S, dtype=torch.bool)
+            for i, (r, skip) in enumerate(zip(rows, skipped, strict=True)):
+                assert skip.shape == (len(r),), (skip.shape, len(r))
+                mask[i, :len(r)] = skip
+            mask = mask.to(device)
+        return cls(tokens.to(device), prompt_lens.to(device), lengths.to(device), skipped=mask)
 
 
 def sample_anchors(batch: Batch, num_anchors: int, gen: torch.Generator,
                    in_prompt: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Anchors `[B, N]` (ascending) and keep `[B, N]` bool: N random distinct response positions per row
-    (any position after the first with `in_prompt`) that have at least one token after them; rows
-    with fewer valid positions keep only those."""
+    (any position after the first with `in_prompt`) that have at least one token after them and are
+    not `batch.skipped`; rows with fewer valid positions keep only those."""
     B, S = batch.tokens.shape
     pos = torch.arange(S, device=batch.tokens.device)
     first = torch.ones_like(batch.prompt_lens) if in_prompt else batch.prompt_lens
     valid = (pos >= first.view(-1, 1)) & (pos < batch.lengths.view(-1, 1) - 1)  # [B, S]
+    if batch.skipped is not None:
+        valid &= ~batch.skipped
     counts = valid.sum(dim=1)
     N = max(1, min(num_anchors, int(counts.max())))
     noise = torch.rand(B, S, generator=gen).to(valid.device)

@@ -15,6 +15,7 @@ Each job has its own file in `daemon/training/`:
 | the held-out split, epoch order, batches | `data_order.py` |
 | the target's taps, cached across steps and runs | `target_features.py` (over `feature_store.py`) |
 | the block loss | `objective.py` |
+| positions suffix decoding drafts instead (optionally skipped as anchors) | `suffix_covered.py` |
 | LR schedule, gradient step | `optimizer_step.py` |
 | held-out loss and τ, early stopping | `heldout.py` |
 | the resumable state, `checkpoint.pt` | `checkpoint.py` |
@@ -34,6 +35,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from specloop.daemon.training import distributed
@@ -44,6 +46,7 @@ from specloop.daemon.training.drafter_init import build_drafter
 from specloop.daemon.training.heldout import Evaluation
 from specloop.daemon.training.objective import BlockLoss
 from specloop.daemon.training.optimizer_step import OptimizerStep
+from specloop.daemon.training.suffix_covered import suffix_covered
 from specloop.daemon.training.target_features import TargetFeatures
 from specloop.engine.model.transformer import Transformer
 from specloop.engine.speculation.drafter_artifact import Lineage, read_meta, save_drafter
@@ -82,7 +85,8 @@ class Trainer:
             raise ValueError(f"max_seq_len must exceed the block size {self.drafter.config.block_size}, "
                              f"got {cfg.max_seq_len}")
         loss = BlockLoss(cfg, self.drafter, target)
-        self.data = DataOrder(self.train_set, cfg, self.device, distributed.rank(), distributed.world_size())
+        self.data = DataOrder(self.train_set, cfg, self.device, distributed.rank(), distributed.world_size(),
+                              self._suffix_covered())
         self.features = TargetFeatures(cfg, target, fingerprint, self.drafter.config.tap_layers, self.train_set)
         self.optimizer_step = OptimizerStep(cfg, self.drafter, loss)
         self.evaluation = Evaluation(cfg, self.drafter, target, self.heldout, loss)
@@ -94,6 +98,16 @@ class Trainer:
         self.out = Path(cfg.out_dir)
         if cfg.resume and Checkpoint.exists(self.out):
             self._resume()
+
+    def _suffix_covered(self) -> list[torch.Tensor] | None:
+        """With `skip_suffix_covered`, the positions suffix decoding drafts in the drafter's place."""
+        if not self.cfg.skip_suffix_covered:
+            return None
+        covered = suffix_covered(self.train_set, self.cfg.max_seq_len)
+        response = sum(len(s.response) for s in self.train_set)
+        log.info("training: suffix decoding drafts after %d of %d response positions; no block is anchored there",
+                 sum(int(c.sum()) for c in covered), response)
+        return covered
 
     def advance(self, until: int) -> str | None:
         """Train up to step `until`; the reason when a budget or early stopping ended training, else None."""

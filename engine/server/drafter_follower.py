@@ -33,7 +33,14 @@ serve new sequences with it from the next step. Running sequences finish with th
 started with. The probe's context goes through the target once, at the first swap, and its hidden
 states are kept (a few kB), so later swaps hold the engine thread for the drafter's work only
 (22.5 ms, a tenth of an engine step, in benchmarks/drafter_swap.py). A refused version is logged
-once, counted, and not tried again until the alias moves; the drafter serving keeps serving. When the
+once, counted, and not tried again until the alias moves; the drafter serving keeps serving.
+
+A champion is **benched** while the daemon's newest contest found it + suffix decoding no faster than
+suffix decoding alone (its `speed_over_suffix` tag ≤ 0; `daemon/retrain/contest.py`): new sequences
+draft with suffix decoding alone (`drafter_version` none) and the alias stays, so the next contest
+judges it again and a later tag > 0 swaps it back in through every check above. Only an engine
+serving the default kind (`dflash+suffix`) benches: the contest measures nothing else. A version no
+contest has judged yet (the seeded shipped drafter) serves. When the
 registry cannot be reached, serving goes on and the thread retries with backoff (1 s, doubling to
 60 s), logging the outage once and the recovery once.
 
@@ -82,7 +89,8 @@ class DrafterRefused(ValueError):
 
 @dataclass(frozen=True)
 class CheckResult:
-    """What one look at the alias did: `swapped`, `unchanged`, `refused`, `no_champion` or `unavailable`."""
+    """What one look at the alias did: `swapped`, `unchanged`, `refused`, `benched`, `no_champion` or
+    `unavailable`."""
 
     result: str
     serving: str | None  # the version new sequences draft with after this check
@@ -181,6 +189,7 @@ class DrafterFollower:
         self.record_swap = record_swap or (lambda result, reason: None)
         self.canary_prompts, self.record_canary = list(canary_prompts), record_canary or (lambda *_: None)
         self._refused: str | None = None  # the version refused last; tried again only once the alias moves
+        self._benched: str | None = None  # the champion benched last, while lookup alone drafts
         self._lock = threading.Lock()  # one check at a time: the poll thread's or the admin endpoint's
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -225,12 +234,34 @@ class DrafterFollower:
             serving = self.engine.drafter_version
             if champion is None:
                 return CheckResult("no_champion", serving)
+            if self._slower_than_lookup(champion):
+                return self._bench(champion)
             if champion.label == serving:
                 return CheckResult("unchanged", serving, champion.label)
             if champion.label == self._refused:
                 return CheckResult("refused", serving, champion.label, detail="refused before; waiting for the "
                                                                                  "alias to move")
             return self._swap_to(champion)
+
+    def _slower_than_lookup(self, champion: DrafterVersion) -> bool:
+        """Whether the daemon's newest contest found `champion` + suffix decoding no faster than suffix
+        decoding alone. Only the default kind is judged: the contest replays nothing else."""
+        gain = champion.speed_over_suffix
+        return self.kind == DEFAULT_LEARNED_KIND and gain is not None and gain <= 0
+
+    def _bench(self, champion: DrafterVersion) -> CheckResult:
+        """Draft with the lookup half alone while the champion is benched; its alias stays where it is."""
+        detail = (f"{champion.label} + suffix decoding modelled {champion.speed_over_suffix:+.1%} against suffix "
+                  f"decoding alone in the daemon's newest contest; suffix decoding drafts alone")
+        if self._benched == champion.label and self.engine.drafter_version is None:
+            return CheckResult("benched", None, champion.label, detail=detail)
+        try:
+            self.engine.swap(self._lookup_only).result(timeout=_SWAP_TIMEOUT_S)
+        except TimeoutError as e:  # no step came: try at the next look
+            return CheckResult("unchanged", self.engine.drafter_version, champion.label, detail=str(e))
+        self._benched = champion.label
+        log.warning("drafter %s benched: %s", champion.label, detail)
+        return CheckResult("benched", None, champion.label, detail=detail)
 
     def _swap_to(self, champion: DrafterVersion) -> CheckResult:
         previous = self.engine.drafter_version

@@ -32,7 +32,7 @@ triggers: {min_new_traces: 10}
 data: {min_traces: 10}
 training: {max_steps: 12, max_minutes: 2, batch_size: 2, anchors: 8, block_size: 4}
 evaluation: {heldout_fraction: 0.25, min_heldout: 4}
-gate: {min_relative_gain: 0.0}
+gate: {min_relative_gain: -1.0}  # any challenger: random tiny drafters lose to suffix decoding alone
 cooldown_minutes: 0
 """
 

@@ -53,6 +53,10 @@ def test_status_shows_champion_challenger_pending_runs_and_history(app: typer.Ty
     assert "awaiting_approval v2 (was v1, by daemon)" in out.output
     as_json = CliRunner().invoke(app, ["status", "--registry", uri, "--state-db", state, "--json"])
     assert '"pending_approvals": [\n      "v2"\n    ]' in as_json.output
+    assert "benched" not in out.output  # no contest has judged v1 yet
+    DrafterRegistry(uri).set_tags(FP, "1", {Tag.SPEED_OVER_SUFFIX: "-0.034"})
+    out = CliRunner().invoke(app, ["status", "--registry", uri, "--state-db", state])
+    assert "champion: v1 (τ None vs None; benched: -3.4% against suffix decoding alone" in out.output
 
 
 def test_approve_then_the_watch_promotes(app: typer.Typer, waiting: tuple[str, str]) -> None:

@@ -2,6 +2,8 @@
 
 from datetime import UTC, datetime, timedelta
 
+import pytest
+
 from specloop.daemon.evaluation.speed_gain import SpeedGain
 from specloop.daemon.retrain.gate import GateVerdict, decide
 from specloop.daemon.retrain.policy import Gate, parse_policy
@@ -75,3 +77,23 @@ def test_no_champion_and_no_live_tau_fire_only_on_traces() -> None:
 def test_a_negative_margin_accepts_a_slower_challenger_and_its_noise() -> None:
     assert gate(-0.08, -0.1, required=-1.0).verdict is GateVerdict.PROMOTE
     assert gate(-0.08, -0.1, required=-0.05).verdict is GateVerdict.REFUSE
+
+
+def contest(suffix_s: float, champion_s: float | None, challenger_s: float = 1.0):
+    """A contest whose contenders replayed 4 traces of equal tokens in the given seconds per trace."""
+    from specloop.daemon.evaluation.replay import ReplayStats
+    from specloop.daemon.retrain.contest import CHALLENGER, CHAMPION, SUFFIX, Contest
+
+    def stats(seconds: float) -> ReplayStats:
+        return ReplayStats(4, 4, 40, 80, (30, 10, 0), (20,) * 4, (10,) * 4, (seconds,) * 4)
+
+    secs = {SUFFIX: suffix_s, CHAMPION: champion_s, CHALLENGER: challenger_s}
+    return Contest("sha256:x", 4, 4, {k: stats(v) for k, v in secs.items() if v is not None}, {})
+
+
+def test_the_gate_baseline_is_the_faster_of_suffix_decoding_alone_and_the_champion() -> None:
+    assert contest(1.0, None).baseline == "suffix"  # no champion: suffix decoding alone serves
+    assert contest(1.0, 0.8).baseline == "champion"  # the champion drafts faster than suffix decoding
+    slower = contest(1.0, 1.25)
+    assert slower.baseline == "suffix" and slower.over_suffix("champion").gain == pytest.approx(-0.2)
+    assert slower.speed_gain().gain == 0.0  # the challenger (1 s per trace) against suffix decoding alone

@@ -39,6 +39,9 @@ def test_a_run_registers_a_fully_tagged_version_and_promotes_it(make_loop: Calla
         assert v.tags.get(tag), tag
     assert 1.0 <= float(v.tags[Tag.TAU_CANARY]) <= 16  # τ on the canary probes, for every engine to check
     assert v.tags[Tag.GATE] == "promote" and v.tags[Tag.PREVIOUS_CHAMPION] == "1" and v.tags[Tag.RUN] == run_id
+    # Both drafters tagged with their speed over suffix decoding alone, which engines bench them by.
+    previous = loop.registry.version(loop.base_model, "1")
+    assert v.speed_over_suffix is not None and previous.speed_over_suffix is not None
     event = loop.history.last(loop.base_model)
     assert (event.action, event.version, event.previous, event.run_id) == (Action.PROMOTED, "v2", "v1", run_id)
     # What erasure reads: the version, the dataset it trained on and the champion it started from.
@@ -57,7 +60,7 @@ def test_a_run_registers_a_fully_tagged_version_and_promotes_it(make_loop: Calla
 
 def test_a_challenger_below_the_gain_is_refused_and_champion_stays(make_loop: Callable[..., Loop], consent_id: str,
                                                                  tmp_path: Path) -> None:
-    loop = make_loop(FAST_POLICY.replace("min_relative_gain: 0.0", "min_relative_gain: 100.0"))
+    loop = make_loop(FAST_POLICY.replace("min_relative_gain: -1.0", "min_relative_gain: 100.0"))
     store_traces(loop.settings.traces_root, loop.target, consent_id, 48)
     seed_champion(loop, tmp_path)
     _, outcome = run(loop)
@@ -65,6 +68,10 @@ def test_a_challenger_below_the_gain_is_refused_and_champion_stays(make_loop: Ca
     assert loop.registry.champion(loop.base_model).version == "1"
     refused = loop.registry.version(loop.base_model, "2")
     assert refused.tags[Tag.GATE] == "refuse" and "below the 10000.0% required gain" in refused.tags[Tag.GATE_REASON]
+    # The seeded random champion costs a drafter pass per step for next to nothing: suffix decoding alone
+    # is faster, so the challenger was judged against it and engines bench the champion.
+    assert "over suffix decoding alone (faster than v1 + suffix decoding)" in refused.tags[Tag.GATE_REASON]
+    assert loop.registry.version(loop.base_model, "1").speed_over_suffix < 0
     assert loop.history.last(loop.base_model).action is Action.REFUSED
 
 
@@ -72,7 +79,7 @@ def test_with_approval_required_it_waits_then_a_rejection_is_never_promoted(
         make_loop: Callable[..., Loop], consent_id: str, tmp_path: Path) -> None:
     from specloop.daemon.retrain.promotion import settle_approval
 
-    loop = make_loop(FAST_POLICY.replace("min_relative_gain: 0.0", "min_relative_gain: 0.0, require_approval: true"))
+    loop = make_loop(FAST_POLICY.replace("min_relative_gain: -1.0", "min_relative_gain: -1.0, require_approval: true"))
     store_traces(loop.settings.traces_root, loop.target, consent_id, 48)
     seed_champion(loop, tmp_path)
     _, outcome = run(loop)
@@ -91,7 +98,7 @@ def test_with_approval_required_it_waits_then_a_rejection_is_never_promoted(
 def test_an_approved_challenger_is_promoted(make_loop: Callable[..., Loop], consent_id: str, tmp_path: Path) -> None:
     from specloop.daemon.retrain.promotion import settle_approval
 
-    loop = make_loop(FAST_POLICY.replace("min_relative_gain: 0.0", "min_relative_gain: 0.0, require_approval: true"))
+    loop = make_loop(FAST_POLICY.replace("min_relative_gain: -1.0", "min_relative_gain: -1.0, require_approval: true"))
     store_traces(loop.settings.traces_root, loop.target, consent_id, 48)
     seed_champion(loop, tmp_path)
     run(loop)
@@ -113,6 +120,7 @@ def test_without_a_champion_the_challenger_must_beat_suffix_decoding_alone(make_
     speed = mlflow_run.data.metrics
     assert speed["speed_gain"] == pytest.approx(speed["tokens_per_s_challenger"] / speed["tokens_per_s_suffix"] - 1)
     assert speed["speed_gain_low"] <= speed["speed_gain"] <= speed["speed_gain_high"]
+    assert v.speed_over_suffix == pytest.approx(speed["speed_over_suffix_challenger"])
 
 
 def test_too_few_traces_skips_without_training(make_loop: Callable[..., Loop], consent_id: str) -> None:

@@ -9,6 +9,7 @@ import torch
 from specloop.daemon.training.config import TrainConfig
 from specloop.daemon.training.objective import Batch, block_labels, sample_anchors
 from specloop.daemon.training.optimizer_step import lr_factor
+from specloop.daemon.training.suffix_covered import suffix_covered
 from specloop.daemon.training.trainer import Trainer
 from specloop.engine.speculation.dflash_proposer import DFlashProposer
 from specloop.engine.speculation.drafter_artifact import load_drafter, read_meta
@@ -51,6 +52,40 @@ def test_distillation_anchors_anywhere_after_the_first_token() -> None:
     batch = Batch.of([TokenSequence((1, 2, 3), (4, 5, 6))], 16, torch.device("cpu"))
     anchors, keep = sample_anchors(batch, 8, torch.Generator().manual_seed(0), in_prompt=True)
     assert anchors.tolist() == [[1, 2, 3, 4]] and keep.all()
+
+
+def test_skipped_positions_are_never_anchors() -> None:
+    skip = [torch.tensor([False, False, False, True, False, False])]
+    batch = Batch.of([TokenSequence((1, 2, 3), (4, 5, 6))], 16, torch.device("cpu"), skip)
+    anchors, keep = sample_anchors(batch, 8, torch.Generator().manual_seed(0))
+    assert anchors.tolist() == [[4]] and keep.all()  # 3 is skipped, 5 has nothing after it
+
+
+def test_suffix_decoding_covers_what_earlier_traces_repeat() -> None:
+    first = TokenSequence((1, 2), (7, 8, 9, 10, 11, 12, 13, 14))
+    again = TokenSequence((3, 4), (7, 8, 9, 10, 11, 12, 13, 14))  # the same answer to another prompt
+    covered = suffix_covered([first, again], max_len=64)
+    assert [c.shape[0] for c in covered] == [10, 10]
+    assert not covered[0].any()  # nothing before it, and no repeat in its own context
+    # The second answer's positions after a 2-token match of the first one (from 8 on) are drafted by
+    # suffix decoding; its last token has nothing after it.
+    assert covered[1].tolist() == [False] * 3 + [True] * 6 + [False]
+
+
+def test_training_skips_the_covered_anchors_and_still_learns(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    target = tiny_target()
+    seqs = cycling(48)
+    with caplog.at_level("INFO"):
+        trainer = Trainer(config(tmp_path, skip_suffix_covered=True), target, "0123456789abcdef", seqs)
+    assert "suffix decoding drafts after" in caplog.text
+    assert trainer.data.skipped is not None and any(s.any() for s in trainer.data.skipped)
+    _, batch = trainer.data.batch(0)
+    anchors, keep = sample_anchors(batch, 8, torch.Generator().manual_seed(0))
+    assert not batch.skipped.gather(1, anchors)[keep].any()
+    result = trainer.run()
+    first, last = result.history[0]["heldout_loss"], result.history[-1]["heldout_loss"]
+    # Held-out loss is over every position; training saw only the 9% suffix decoding misses here.
+    assert result.steps == 40 and last < first, result.history
 
 
 def test_distillation_labels_follow_the_targets_greedy_path() -> None:

@@ -26,7 +26,7 @@ from specloop.engine.speculation.drafter_artifact import Lineage, save_drafter, 
 from specloop.engine.speculation.kinds import DEFAULT_LEARNED_KIND
 from specloop.engine.speculation.ngram import NgramProposer
 from specloop.storage.broker import free_port
-from specloop.storage.registry import CHAMPION, DrafterRegistry
+from specloop.storage.registry import CHAMPION, DrafterRegistry, Tag
 from tests.dflash_helpers import tiny_drafter, tiny_target
 
 pytestmark = pytest.mark.timeout(120)
@@ -112,6 +112,32 @@ def test_a_champion_is_swapped_in_and_then_left_alone(registry: DrafterRegistry,
     assert version == label and drafts > 0
     plain = LLMEngine(target, EngineConfig(num_slots=2, max_len=96), ()).generate([[5, 6, 7, 5, 6, 7]], GREEDY)
     assert tokens == plain[0].output_ids
+
+
+def test_a_champion_slower_than_suffix_decoding_alone_is_benched_until_a_contest_finds_it_faster(
+        registry: DrafterRegistry, target, tmp_path: Path, running: list[LLMEngine]) -> None:
+    fingerprint = "1212121212121212"
+    swaps = Swaps()
+    f = follower(registry, target, tmp_path, fingerprint, swaps, running)
+    label = champion_of(registry, fingerprint, artifact(tmp_path / "a", target, fingerprint))
+    assert f.check().result == "swapped" and f.engine.drafter_version == label  # not judged yet: it serves
+    registry.set_tags(fingerprint, label[1:], {Tag.SPEED_OVER_SUFFIX: "-0.05"})
+
+    benched = f.check()
+
+    assert (benched.result, benched.serving, benched.champion) == ("benched", None, label)
+    assert "-5.0%" in benched.detail and f.engine.drafter_version is None
+    assert f.check().result == "benched" and swaps.seen == [("ok", None)]  # nothing swapped twice
+    tokens, version, drafts = served(f.engine, [5, 6, 7, 5, 6, 7, 5, 6])
+    assert version is None and drafts > 0  # suffix decoding drafts alone
+    plain = LLMEngine(target, EngineConfig(num_slots=2, max_len=96), ()).generate([[5, 6, 7, 5, 6, 7, 5, 6]], GREEDY)
+    assert tokens == plain[0].output_ids
+    registry.set_tags(fingerprint, label[1:], {Tag.SPEED_OVER_SUFFIX: "0.02"})
+    assert f.check().result == "swapped" and f.engine.drafter_version == label
+    # An engine drafting with another kind is not judged by a contest of suffix decoding: it keeps the drafter.
+    other = DrafterFollower(registry, f.engine, target, fingerprint, "combined", PROBE, tmp_path / "c", poll_s=60)
+    registry.set_tags(fingerprint, label[1:], {Tag.SPEED_OVER_SUFFIX: "-0.05"})
+    assert other._slower_than_lookup(registry.champion(fingerprint)) is False
 
 
 def _corrupt_weights(path: Path, target, fingerprint: str) -> None:
