@@ -10,7 +10,8 @@ which holds out a share of the prompts by hash and never sends them
 (`specloop.daemon.traffic.sender.traffic_split`). Measured on exactly those held-out prompts:
 
 - live through the server: τ of the held-out prompts sent anonymously (never captured) before the
-  cycle and again once the engine serves the promoted drafter, and live τ of the demo traffic itself
+  cycle and again once the engine serves the promoted drafter (or, when the run benched the champion,
+  suffix decoding alone), the champion's tags after the cycle, and live τ of the demo traffic itself
   per drafter version, from the replay's records;
 - after the stack stops, per system (suffix alone, v1 + suffix, the retrained drafter + suffix), each
   with a fresh suffix cache warmed by the run's consented traces (what serving held when it swapped):
@@ -104,7 +105,12 @@ def main() -> None:
         report["gate"] = decided["event"]
         report["cycle_seconds"] = decided["cycle_seconds"]
         version = decided["event"]["version"]
-        if decided["event"]["action"] == "promoted":
+        champion = httpx.get(f"{daemon}/status", timeout=10).json()["champion"]
+        report["champion_after"] = champion
+        if champion["benched"]:  # suffix decoding alone serves from the follower's next look
+            wait_serving(url, None, 120)
+            report["live_heldout_after"] = live_tau(url, heldout)
+        elif decided["event"]["action"] == "promoted":
             wait_serving(url, version, 120)
             report["live_heldout_after"] = live_tau(url, heldout)
         report["wall_clock_s"] = round(time.monotonic() - started, 1)
@@ -176,7 +182,8 @@ def wait_for_decision(daemon: str, up: subprocess.Popen, log: Path, timeout_s: f
     raise TimeoutError(f"no gate decision within {timeout_s:.0f} s: {log.read_text()[-3000:]}")
 
 
-def wait_serving(url: str, version: str, timeout_s: float) -> None:
+def wait_serving(url: str, version: str | None, timeout_s: float) -> None:
+    """Until new requests draft with `version` (None: no drafter, as when the champion is benched)."""
     deadline = time.monotonic() + timeout_s
     while httpx.get(f"{url}/v1/models").json()["data"][0]["drafter_version"] != version:
         if time.monotonic() > deadline:

@@ -77,8 +77,10 @@ class Tag:
     TAU_CANARY = "tau_canary"  # τ on the canary probes at registration (engine/speculation/canary.py)
     TRAINED_ON_ERASED = "trained_on_erased"  # how many subjects erased since were in its training set
     # Its modelled decode-speed gain (drafter + suffix decoding over suffix decoding alone) in the newest
-    # contest that replayed it; engines draft with it only while this is above zero (or not measured yet).
+    # contest that replayed it, and whether that fell short of the policy's margin: "true" while engines
+    # bench it (suffix decoding drafts alone), "false" (or no tag: not judged yet) while it drafts.
     SPEED_OVER_SUFFIX = "speed_over_suffix"
+    BENCHED = "benched"
 
 
 class Approval(StrEnum):
@@ -141,6 +143,11 @@ class DrafterVersion:
         """`Tag.SPEED_OVER_SUFFIX`, or None when no contest measured it (or a hand-set value does not parse)."""
         value = self.tags.get(Tag.SPEED_OVER_SUFFIX)
         return float(value) if value is not None and _is_finite_float(value) else None
+
+    @property
+    def benched(self) -> bool:
+        """Whether the newest contest benched it (`Tag.BENCHED`); anything but "true" drafts."""
+        return self.tags.get(Tag.BENCHED) == "true"
 
     @property
     def approval(self) -> Approval | None:
@@ -478,6 +485,8 @@ def _checked_tags(tags: Mapping[str, str], base_model: str) -> dict[str, str]:
     for key in (Tag.TAU_CHALLENGER, Tag.TAU_CHAMPION, Tag.TAU_CANARY, Tag.SPEED_OVER_SUFFIX):
         if key in tags and not _is_finite_float(tags[key]):
             raise ValueError(f"tags[{key!r}] must be a finite float as a string, got {tags[key]!r}")
+    if tags.get(Tag.BENCHED, "false") not in ("true", "false"):
+        raise ValueError(f"tags[{Tag.BENCHED!r}] must be 'true' or 'false', got {tags[Tag.BENCHED]!r}")
     approvals = [a.value for a in Approval]
     if tags.get(Tag.APPROVAL, Approval.PENDING) not in approvals:
         raise ValueError(f"tags[{Tag.APPROVAL!r}] must be one of {approvals}, got {tags[Tag.APPROVAL]!r}")

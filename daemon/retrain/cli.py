@@ -142,8 +142,9 @@ def _human(report: dict[str, Any]) -> str:
         v = report.get(alias)
         if v is not None:
             approval = f", approval {v['approval']}" if v["approval"] else ""
-            benched = (f"; benched: {v['speed_over_suffix']:+.1%} against suffix decoding alone, which drafts "
-                       f"alone" if alias == "champion" and v["benched"] else "")
+            gain = "?" if v["speed_over_suffix"] is None else f"{v['speed_over_suffix']:+.1%}"
+            benched = (f"; benched: {gain} against suffix decoding alone, which drafts alone"
+                       if alias == "champion" and v["benched"] else "")
             lines.append(f"  {alias}: {v['version']} (τ {v['tau_challenger']} vs {v['tau_champion']}{approval}"
                          f"{benched})")
     if report.get("pending_approvals"):

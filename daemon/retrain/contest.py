@@ -3,9 +3,9 @@ them, judged on decode speed.
 
 Each contender is replayed as serving drafts with it by default: the drafter with suffix decoding
 (`DEFAULT_LEARNED_KIND`, `engine/speculation/kinds.py`), at the challenger's block size. The baseline
-is what serves: suffix decoding alone when there is no champion or the champion decodes slower than
-it, else the champion (the champion's gain over suffix alone is tagged on it, and engines bench a
-champion whose gain is not positive: `engine/server/drafter_follower.py`). Every contender's suffix
+is what serves: the champion, unless it is not `serve_margin` (the gate's `min_relative_gain`) faster
+than suffix decoding alone, or there is none: then suffix decoding alone. The champion is tagged with
+that verdict, and engines bench a benched champion (`engine/server/drafter_follower.py`). Every contender's suffix
 cache starts warmed with the run's training traces (the recent traffic a serving cache holds when a
 new drafter starts serving), and the held-out traces (the run's eval split: recent, consented,
 never trained on) are replayed in arrival order, so each learns from the ones before it as serving
@@ -47,6 +47,11 @@ class Contest:
     stats: dict[str, ReplayStats]  # contender -> replay over the whole set, with modelled seconds per trace
     costs: dict[str, StepCost]  # contender -> its measured step cost
     slices: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)  # slice -> contender -> τ
+    serve_margin: float = 0.0  # the speed gain over suffix decoding alone a drafter needs to serve
+
+    def benched(self, contender: str) -> bool:
+        """Whether `contender` + suffix decoding falls short of `serve_margin` over suffix decoding alone."""
+        return self.over_suffix(contender).gain < self.serve_margin
 
     def tau(self, contender: str) -> float:
         return self.stats[contender].tau
@@ -57,9 +62,9 @@ class Contest:
 
     @property
     def baseline(self) -> str:
-        """What serves: the champion while it decodes faster than suffix decoding alone, else suffix
-        decoding alone (no champion, or one that costs more than it drafts: engines then bench it)."""
-        return CHAMPION if CHAMPION in self.stats and self.over_suffix(CHAMPION).gain > 0 else SUFFIX
+        """What serves: the champion unless it is benched, else suffix decoding alone (no champion, or
+        one not `serve_margin` faster than it)."""
+        return CHAMPION if CHAMPION in self.stats and not self.benched(CHAMPION) else SUFFIX
 
     @property
     def tau_baseline(self) -> float:
@@ -92,9 +97,10 @@ class Contest:
 
 def run_contest(target: Transformer, base_model: str, heldout: list[TokenSequence], challenger: Path,
                 champion: Path | None, slice_keys: list[str] | None = None,
-                earlier: list[TokenSequence] = ()) -> Contest:
+                earlier: list[TokenSequence] = (), serve_margin: float = 0.0) -> Contest:
     """Replay every contender on `heldout`, each with a suffix cache warmed by `earlier`; `slice_keys[i]`
-    names the slice of `heldout[i]` (None: one slice)."""
+    names the slice of `heldout[i]` (None: one slice); a drafter needs `serve_margin` over suffix
+    decoding alone to serve."""
     assert slice_keys is None or len(slice_keys) == len(heldout)
     challenger_proposer = _served(target, base_model, challenger, earlier)
     dflash = dflash_of(challenger_proposer)
@@ -111,7 +117,7 @@ def run_contest(target: Transformer, base_model: str, heldout: list[TokenSequenc
         stats[contender] = replay(proposer, heldout, target, cost=costs[contender])
         log.info("contest: %s replayed on %d held-out traces: τ %.3f, %.1f tokens/s modelled", contender,
                  len(heldout), stats[contender].tau, stats[contender].tokens_per_s)
-    return Contest(digest(heldout), len(heldout), block, stats, costs, _slice_taus(stats, slice_keys))
+    return Contest(digest(heldout), len(heldout), block, stats, costs, _slice_taus(stats, slice_keys), serve_margin)
 
 
 def _warmed(earlier: list[TokenSequence]) -> SuffixCache:

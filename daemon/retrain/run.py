@@ -3,8 +3,8 @@
 dataset (the DuckDB builder over consented traces of the served base model, consent re-checked
 against a fresh snapshot, manifest written) → champion (download, for the warm start and the
 contest) → train (the challenger) → evaluate (suffix decoding alone, champion and challenger replayed
-on the same held-out traces; the champion tagged with its speed over suffix decoding alone, which
-decides whether engines draft with it) → gate → register (one MLflow run with params, metrics, the dataset
+on the same held-out traces) → gate → register (the champion tagged with its speed over suffix
+decoding alone, which decides whether engines draft with it; one MLflow run with params, metrics, the dataset
 through `log_inputs` with its digest, and the artifact; then one version created with every tag
 at once) → promote (move `champion`), or set `challenger` and wait for approval, or refuse.
 Consent is checked again just before `register` and just before `promote`: if any consent behind
@@ -153,9 +153,8 @@ class RetrainRun:
                                       loop.target.weights)
         with self._step("evaluate"):
             contest = run_contest(loop.target.model, loop.base_model, prepared.heldout, result.artifact,
-                                  champion_dir, prepared.slice_keys, prepared.train)
-            if champion is not None:
-                self._judge_champion(champion, contest)
+                                  champion_dir, prepared.slice_keys, prepared.train,
+                                  serve_margin=loop.policy.gate.min_relative_gain)
         self._check_stop()
         decision = gates.decide(
             loop.policy.gate, served_base_model=loop.base_model,
@@ -170,6 +169,8 @@ class RetrainRun:
             withdrawn = self._withdrawn(prepared)
             if withdrawn is not None:
                 return RunOutcome.CONSENT_WITHDRAWN, f"nothing registered: {withdrawn}"
+            if champion is not None:  # what engines serve changes only from a run whose consents still hold
+                self._judge_champion(champion, contest)
             version = self._register(prepared, contest, decision, result, champion, tau_canary)
             record_lineage(self.dir, Lineage(self.run_id, loop.base_model, version.version,  # what erasure reports
                                              str(prepared.directory.relative_to(self.dir)),
@@ -219,13 +220,15 @@ class RetrainRun:
                         consent_ids=_consent_ids(directory))
 
     def _judge_champion(self, champion: DrafterVersion, contest: Contest) -> None:
-        """Tag the champion with its speed over suffix decoding alone on this run's held-out traces: engines
-        bench it (draft with suffix decoding alone) while that is not a gain, and serve it again once it is."""
-        gain = contest.over_suffix(CHAMPION).gain
-        if (champion.speed_over_suffix or 0.0) > 0 and gain <= 0:
-            log.warning("run %s: champion %s + suffix decoding models %+.1f%% against suffix decoding alone: "
-                        "engines bench it", self.run_id, champion.label, 100 * gain)
-        self.loop.registry.set_tags(self.loop.base_model, champion.version, {Tag.SPEED_OVER_SUFFIX: str(gain)})
+        """Tag the champion with its speed over suffix decoding alone on this run's held-out traces, and
+        whether that falls short of the gate's margin: engines bench it (suffix decoding drafts alone)
+        while it does, and serve it again once a later run finds it enough faster."""
+        benched = contest.benched(CHAMPION)
+        if benched and not champion.benched:
+            log.warning("run %s: champion %s + suffix decoding models %+.1f%% against suffix decoding alone, "
+                        "below the %.1f%% margin: engines bench it", self.run_id, champion.label,
+                        100 * contest.over_suffix(CHAMPION).gain, 100 * contest.serve_margin)
+        self.loop.registry.set_tags(self.loop.base_model, champion.version, _suffix_tags(contest, CHAMPION))
 
     def _withdrawn(self, prepared: Prepared) -> str | None:
         """Why the run must stop because consent changed since its dataset was built, or None: any
@@ -280,7 +283,7 @@ class RetrainRun:
             tags = {**tau_tags(contest.tau(CHALLENGER), contest.tau_baseline), Tag.EVAL_SET: contest.eval_set,
                     Tag.DATASET: prepared.dataset_digest, Tag.GATE: decision.verdict.value,
                     Tag.GATE_REASON: decision.reason, Tag.RUN: self.run_id, Tag.TAU_CANARY: f"{tau_canary:.6f}",
-                    Tag.SPEED_OVER_SUFFIX: str(contest.over_suffix(CHALLENGER).gain)}
+                    **_suffix_tags(contest, CHALLENGER)}
             if decision.verdict is gates.GateVerdict.AWAIT_APPROVAL:
                 tags[Tag.APPROVAL] = Approval.PENDING.value
             if prepared.bootstrap_from is not None:
@@ -310,12 +313,17 @@ class RetrainRun:
         log.info("run %s: step %s done in %.1f s", self.run_id, name, self.timings[name])
 
 
+def _suffix_tags(contest: Contest, contender: str) -> dict[str, str]:
+    return {Tag.SPEED_OVER_SUFFIX: str(contest.over_suffix(contender).gain),
+            Tag.BENCHED: str(contest.benched(contender)).lower()}
+
+
 def _baseline_label(contest: Contest, champion: DrafterVersion | None) -> str:
     """What the challenger was measured against, for the gate's reason."""
     if champion is None:
         return "suffix decoding alone"
     if contest.baseline == SUFFIX:
-        return f"suffix decoding alone (faster than {champion.label} + suffix decoding)"
+        return f"suffix decoding alone ({champion.label} + suffix decoding benched)"
     return champion.label
 
 

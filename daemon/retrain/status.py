@@ -67,7 +67,7 @@ def _version(v: DrafterVersion | None) -> dict[str, Any] | None:
             "approval": None if v.approval is None else v.approval.value, "gate_reason": v.tags.get("gate_reason"),
             "run": v.tags.get("retrain_run"), "speed_over_suffix": v.speed_over_suffix,
             # engines draft with suffix decoding alone while it is not faster (engine/server/drafter_follower.py)
-            "benched": v.speed_over_suffix is not None and v.speed_over_suffix <= 0}
+            "benched": v.benched}
 
 
 def _iso(at: datetime | None) -> str | None:

@@ -7,6 +7,10 @@ run. Blocks anchored there train drafts nobody uses. This replays the training s
 order through suffix decoding as serving met them: each sequence's positions are looked up in its
 own context and a cache holding the sequences before it, then it is added to the cache.
 
+It costs one suffix lookup per response position, in Python, before the first step (and in every
+process under torchrun); the trainer logs its seconds. Held-out loss, which early stopping keeps the
+best weights by, still counts every position.
+
 Not here: sampling anchors (`daemon/training/objective.py`), the rule itself
 (`engine/speculation/combined.py`).
 """

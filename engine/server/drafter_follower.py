@@ -33,16 +33,16 @@ serve new sequences with it from the next step. Running sequences finish with th
 started with. The probe's context goes through the target once, at the first swap, and its hidden
 states are kept (a few kB), so later swaps hold the engine thread for the drafter's work only
 (22.5 ms, a tenth of an engine step, in benchmarks/drafter_swap.py). A refused version is logged
-once, counted, and not tried again until the alias moves; the drafter serving keeps serving.
-
-A champion is **benched** while the daemon's newest contest found it + suffix decoding no faster than
-suffix decoding alone (its `speed_over_suffix` tag ≤ 0; `daemon/retrain/contest.py`): new sequences
-draft with suffix decoding alone (`drafter_version` none) and the alias stays, so the next contest
-judges it again and a later tag > 0 swaps it back in through every check above. Only an engine
-serving the default kind (`dflash+suffix`) benches: the contest measures nothing else. A version no
-contest has judged yet (the seeded shipped drafter) serves. When the
+once, counted, and not tried again until the alias moves; the drafter serving keeps serving. When the
 registry cannot be reached, serving goes on and the thread retries with backoff (1 s, doubling to
 60 s), logging the outage once and the recovery once.
+
+A champion is **benched** while the daemon's newest contest found it + suffix decoding less than the
+policy's margin faster than suffix decoding alone (its `benched` tag is "true"; `daemon/retrain/contest.py`):
+new sequences draft with suffix decoding alone (`drafter_version` none) and the alias stays, so the
+next contest judges it again and a later "false" swaps it back in through every check above. Only an engine
+serving the default kind (`dflash+suffix`) benches: the contest measures nothing else. A version no
+contest has judged yet (the seeded shipped drafter) serves.
 
 Not here: the registry's names and tags (`storage/registry.py`), the engine's swap mechanics
 (`engine/runtime/llm_engine.py`), HTTP (`engine/server/`).
@@ -244,20 +244,23 @@ class DrafterFollower:
             return self._swap_to(champion)
 
     def _slower_than_lookup(self, champion: DrafterVersion) -> bool:
-        """Whether the daemon's newest contest found `champion` + suffix decoding no faster than suffix
-        decoding alone. Only the default kind is judged: the contest replays nothing else."""
-        gain = champion.speed_over_suffix
-        return self.kind == DEFAULT_LEARNED_KIND and gain is not None and gain <= 0
+        """Whether the daemon's newest contest benched `champion`. Only the default kind is judged: the
+        contest replays nothing else."""
+        return self.kind == DEFAULT_LEARNED_KIND and champion.benched
 
     def _bench(self, champion: DrafterVersion) -> CheckResult:
         """Draft with the lookup half alone while the champion is benched; its alias stays where it is."""
-        detail = (f"{champion.label} + suffix decoding modelled {champion.speed_over_suffix:+.1%} against suffix "
-                  f"decoding alone in the daemon's newest contest; suffix decoding drafts alone")
+        gain = champion.speed_over_suffix
+        detail = (f"{champion.label} + suffix decoding modelled {'?' if gain is None else f'{gain:+.1%}'} against "
+                  f"suffix decoding alone in the daemon's newest contest, short of its margin; suffix decoding "
+                  f"drafts alone")
         if self._benched == champion.label and self.engine.drafter_version is None:
             return CheckResult("benched", None, champion.label, detail=detail)
         try:
             self.engine.swap(self._lookup_only).result(timeout=_SWAP_TIMEOUT_S)
-        except TimeoutError as e:  # no step came: try at the next look
+        except Exception as e:  # no step came, or the build raised on the engine thread: try at the next look
+            log.warning("drafter %s: benching it failed (%s: %s); %s keeps serving", champion.label,
+                        type(e).__name__, e, self.engine.drafter_version or "no drafter")
             return CheckResult("unchanged", self.engine.drafter_version, champion.label, detail=str(e))
         self._benched = champion.label
         log.warning("drafter %s benched: %s", champion.label, detail)

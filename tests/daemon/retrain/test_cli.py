@@ -54,7 +54,7 @@ def test_status_shows_champion_challenger_pending_runs_and_history(app: typer.Ty
     as_json = CliRunner().invoke(app, ["status", "--registry", uri, "--state-db", state, "--json"])
     assert '"pending_approvals": [\n      "v2"\n    ]' in as_json.output
     assert "benched" not in out.output  # no contest has judged v1 yet
-    DrafterRegistry(uri).set_tags(FP, "1", {Tag.SPEED_OVER_SUFFIX: "-0.034"})
+    DrafterRegistry(uri).set_tags(FP, "1", {Tag.SPEED_OVER_SUFFIX: "-0.034", Tag.BENCHED: "true"})
     out = CliRunner().invoke(app, ["status", "--registry", uri, "--state-db", state])
     assert "champion: v1 (τ None vs None; benched: -3.4% against suffix decoding alone" in out.output
 

@@ -79,7 +79,7 @@ def test_a_negative_margin_accepts_a_slower_challenger_and_its_noise() -> None:
     assert gate(-0.08, -0.1, required=-0.05).verdict is GateVerdict.REFUSE
 
 
-def contest(suffix_s: float, champion_s: float | None, challenger_s: float = 1.0):
+def contest(suffix_s: float, champion_s: float | None, challenger_s: float = 1.0, margin: float = 0.0):
     """A contest whose contenders replayed 4 traces of equal tokens in the given seconds per trace."""
     from specloop.daemon.evaluation.replay import ReplayStats
     from specloop.daemon.retrain.contest import CHALLENGER, CHAMPION, SUFFIX, Contest
@@ -88,7 +88,7 @@ def contest(suffix_s: float, champion_s: float | None, challenger_s: float = 1.0
         return ReplayStats(4, 4, 40, 80, (30, 10, 0), (20,) * 4, (10,) * 4, (seconds,) * 4)
 
     secs = {SUFFIX: suffix_s, CHAMPION: champion_s, CHALLENGER: challenger_s}
-    return Contest("sha256:x", 4, 4, {k: stats(v) for k, v in secs.items() if v is not None}, {})
+    return Contest("sha256:x", 4, 4, {k: stats(v) for k, v in secs.items() if v is not None}, {}, serve_margin=margin)
 
 
 def test_the_gate_baseline_is_the_faster_of_suffix_decoding_alone_and_the_champion() -> None:
@@ -97,3 +97,7 @@ def test_the_gate_baseline_is_the_faster_of_suffix_decoding_alone_and_the_champi
     slower = contest(1.0, 1.25)
     assert slower.baseline == "suffix" and slower.over_suffix("champion").gain == pytest.approx(-0.2)
     assert slower.speed_gain().gain == 0.0  # the challenger (1 s per trace) against suffix decoding alone
+    # 1% faster than suffix decoding alone is not enough where the policy asks 2% of a drafter.
+    barely = contest(1.0, 1 / 1.01, margin=0.02)
+    assert barely.benched("champion") and barely.baseline == "suffix" and barely.benched("challenger")  # +0%
+    assert contest(1.0, 1 / 1.03, margin=0.02).baseline == "champion"

@@ -42,6 +42,8 @@ def test_a_run_registers_a_fully_tagged_version_and_promotes_it(make_loop: Calla
     # Both drafters tagged with their speed over suffix decoding alone, which engines bench them by.
     previous = loop.registry.version(loop.base_model, "1")
     assert v.speed_over_suffix is not None and previous.speed_over_suffix is not None
+    # The policy's margin is -100%: any drafter serves.
+    assert v.tags[Tag.BENCHED] == previous.tags[Tag.BENCHED] == "false"
     event = loop.history.last(loop.base_model)
     assert (event.action, event.version, event.previous, event.run_id) == (Action.PROMOTED, "v2", "v1", run_id)
     # What erasure reads: the version, the dataset it trained on and the champion it started from.
@@ -70,8 +72,9 @@ def test_a_challenger_below_the_gain_is_refused_and_champion_stays(make_loop: Ca
     assert refused.tags[Tag.GATE] == "refuse" and "below the 10000.0% required gain" in refused.tags[Tag.GATE_REASON]
     # The seeded random champion costs a drafter pass per step for next to nothing: suffix decoding alone
     # is faster, so the challenger was judged against it and engines bench the champion.
-    assert "over suffix decoding alone (faster than v1 + suffix decoding)" in refused.tags[Tag.GATE_REASON]
-    assert loop.registry.version(loop.base_model, "1").speed_over_suffix < 0
+    assert "over suffix decoding alone (v1 + suffix decoding benched)" in refused.tags[Tag.GATE_REASON]
+    champion = loop.registry.version(loop.base_model, "1")
+    assert champion.speed_over_suffix < 0 and champion.benched
     assert loop.history.last(loop.base_model).action is Action.REFUSED
 
 

@@ -121,23 +121,30 @@ def test_a_champion_slower_than_suffix_decoding_alone_is_benched_until_a_contest
     f = follower(registry, target, tmp_path, fingerprint, swaps, running)
     label = champion_of(registry, fingerprint, artifact(tmp_path / "a", target, fingerprint))
     assert f.check().result == "swapped" and f.engine.drafter_version == label  # not judged yet: it serves
-    registry.set_tags(fingerprint, label[1:], {Tag.SPEED_OVER_SUFFIX: "-0.05"})
+    registry.set_tags(fingerprint, label[1:], {Tag.SPEED_OVER_SUFFIX: "-0.05", Tag.BENCHED: "true"})
+    swap, applied = f.engine.swap, []
+    f.engine.swap = lambda build: applied.append(build) or swap(build)
 
     benched = f.check()
 
     assert (benched.result, benched.serving, benched.champion) == ("benched", None, label)
     assert "-5.0%" in benched.detail and f.engine.drafter_version is None
-    assert f.check().result == "benched" and swaps.seen == [("ok", None)]  # nothing swapped twice
+    assert f.check().result == "benched" and len(applied) == 1  # benched once, then left alone
+    f.engine.swap = swap
     tokens, version, drafts = served(f.engine, [5, 6, 7, 5, 6, 7, 5, 6])
     assert version is None and drafts > 0  # suffix decoding drafts alone
     plain = LLMEngine(target, EngineConfig(num_slots=2, max_len=96), ()).generate([[5, 6, 7, 5, 6, 7, 5, 6]], GREEDY)
     assert tokens == plain[0].output_ids
-    registry.set_tags(fingerprint, label[1:], {Tag.SPEED_OVER_SUFFIX: "0.02"})
+    registry.set_tags(fingerprint, label[1:], {Tag.SPEED_OVER_SUFFIX: "0.04", Tag.BENCHED: "false"})
     assert f.check().result == "swapped" and f.engine.drafter_version == label
     # An engine drafting with another kind is not judged by a contest of suffix decoding: it keeps the drafter.
     other = DrafterFollower(registry, f.engine, target, fingerprint, "combined", PROBE, tmp_path / "c", poll_s=60)
-    registry.set_tags(fingerprint, label[1:], {Tag.SPEED_OVER_SUFFIX: "-0.05"})
+    registry.set_tags(fingerprint, label[1:], {Tag.BENCHED: "true"})
     assert other._slower_than_lookup(registry.champion(fingerprint)) is False
+    assert f.check().result == "benched"
+    # A tag set by hand that is neither "true" nor "false" serves the drafter again, as one no contest judged.
+    registry._client.set_model_version_tag(registry.champion(fingerprint).name, label[1:], Tag.BENCHED, "yes")
+    assert f.check().result == "swapped" and f.engine.drafter_version == label
 
 
 def _corrupt_weights(path: Path, target, fingerprint: str) -> None:
