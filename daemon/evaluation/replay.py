@@ -49,7 +49,7 @@ class ReplayStats:
     committed: int  # tokens committed by verify steps
     accepted_per_position: tuple[int, ...]  # [k]: steps whose draft i was accepted
     # Per sequence replayed, in order: the tokens its verify steps committed, its verify steps, and
-    # (with a step cost, else empty) the modelled seconds of those steps, each step's cost shared
+    # (with a step cost, else empty) the modelled seconds of its prefill and of those steps, each step's cost shared
     # equally by the sequences in it.
     tokens: tuple[int, ...] = ()
     steps_per_trace: tuple[int, ...] = ()
@@ -106,6 +106,8 @@ def _replay_group(proposer: Proposer, target: Transformer | None, seqs: list[Tok
         proposer.observe(list(range(len(rows))), [0] * len(rows), taps, tokens)
     # committed[b]: tokens committed so far (prompt + the prefill's first output token).
     committed = [len(s.prompt) + 1 for s in seqs]
+    if cost is not None:
+        seconds = [cost.prefill_seconds(len(s.prompt)) for s in seqs]
     while True:
         live = [b for b, r in enumerate(rows) if committed[b] < len(r)]
         if not live:

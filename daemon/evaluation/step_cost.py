@@ -6,6 +6,11 @@ A step of B sequences verifying w positions each, R of whose drafts DFlash made,
   + suffix lookup for each of the B rows (every served proposer looks up first)
   + DFlash, when the proposer has one: its observe of the B·w tokens and its propose for R rows
 
+and each sequence's prefill, in serving's chunks of `PREFILL_CHUNK` prompt tokens, costs the target's
+pass over them and, with a drafter, its observe of every one: a drafter pays for a prompt before it
+drafts a token (left out, the model rated drafter systems 3-5% faster against suffix decoding alone
+than live decoding did: docs/performance.md, "The bench, and training only where suffix decoding misses").
+
 Each term is fitted (`fixed + per unit`) to median times measured here, in the process that
 replays, on this CPU under its current load. Two contenders whose drafters have the same shape
 share one measurement of their drafter: their costs are equal, so only what they draft differs.
@@ -36,6 +41,7 @@ from specloop.engine.speculation.suffix import SuffixConfig, SuffixProposer
 GRID = ((1, 1), (1, 4), (1, 16), (4, 4), (8, 1), (8, 4), (8, 16))  # (batch, width) measured
 ROWS = (1, 4, 8)  # propose batch sizes measured
 CONTEXT = 256  # cached positions each sequence attends to while measured
+PREFILL_CHUNK = 128  # prompt tokens per prefill pass: `specloop serve`'s `max_prefill_tokens`
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,12 @@ class StepCost:
         if self.dflash_observe is not None and self.dflash_propose is not None:
             s += self.dflash_observe(batch * width) + (self.dflash_propose(learned_rows) if learned_rows else 0.0)
         return s
+
+    def prefill_seconds(self, prompt: int) -> float:
+        """A prompt of `prompt` tokens prefilled in `PREFILL_CHUNK`s: the target's passes and the drafter's observes."""
+        chunks = [min(PREFILL_CHUNK, prompt - start) for start in range(0, prompt, PREFILL_CHUNK)]
+        observe = self.dflash_observe
+        return sum(self.target(c) + (observe(c) if observe is not None else 0.0) for c in chunks)
 
     def to_json(self) -> dict[str, float]:
         parts = {"target": self.target, "lookup": self.lookup, "dflash_observe": self.dflash_observe,

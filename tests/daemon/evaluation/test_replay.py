@@ -58,13 +58,24 @@ def test_modelled_seconds_follow_the_width_verified_and_are_shared_by_the_step()
     # A step costs 1 s plus 1 s per verified position; both sequences run in one group.
     cost = StepCost(target=Linear(1.0, 1.0), lookup=Linear(0.0, 0.0))
     stats = replay(Scripted([s.tokens for s in SEQS], 4, right=3), SEQS, batch_size=2, cost=cost)
-    # Step 1: both rows, width 4 (3 drafts + last token): 1 + 8 s, shared. Seq 1 is then done (4
-    # tokens); seq 0 takes two more steps alone, of widths 4 (1 + 4 s) and 3 (two drafts left: 1 + 3 s).
+    # Prefill: one pass over each prompt (2 and 1 tokens): 3 s and 2 s. Step 1: both rows, width 4 (3
+    # drafts + last token): 1 + 8 s, shared. Seq 1 is then done (4 tokens); seq 0 takes two more steps
+    # alone, of widths 4 (1 + 4 s) and 3 (two drafts left: 1 + 3 s).
     assert stats.steps_per_trace == (3, 1) and stats.tokens == (10, 4)
-    assert stats.seconds == pytest.approx((4.5 + 5 + 4, 4.5))
-    assert stats.tokens_per_s == pytest.approx(14 / 18)
+    assert stats.seconds == pytest.approx((3 + 4.5 + 5 + 4, 2 + 4.5))
+    assert stats.tokens_per_s == pytest.approx(14 / 23)
     silent = replay(Scripted([s.tokens for s in SEQS], 4, right=0), SEQS, batch_size=2, cost=cost)
-    assert sum(silent.seconds) == pytest.approx(4 * 3.0 + 6 * 2.0)  # no drafts: width 1; 4 steps with both rows
+    # No drafts: width 1; 4 steps with both rows, then 6 alone; and the two prefills.
+    assert sum(silent.seconds) == pytest.approx(4 * 3.0 + 6 * 2.0 + 5)
+
+
+def test_a_prefill_costs_the_target_per_chunk_and_a_drafter_its_observe_of_every_prompt_token() -> None:
+    plain = StepCost(target=Linear(1.0, 0.01), lookup=Linear(0.0, 0.0))
+    drafted = StepCost(target=Linear(1.0, 0.01), lookup=Linear(0.0, 0.0), dflash_observe=Linear(0.5, 0.001),
+                       dflash_propose=Linear(0.0, 0.0))
+    # 300 prompt tokens: chunks of 128, 128 and 44, each a pass (1 s + 0.01 s a token).
+    assert plain.prefill_seconds(300) == pytest.approx(3 + 3.0)
+    assert drafted.prefill_seconds(300) == pytest.approx(3 + 3.0 + 3 * 0.5 + 0.3)
 
 
 def test_partly_right_drafts() -> None:
