@@ -49,8 +49,8 @@ class ReplayStats:
     committed: int  # tokens committed by verify steps
     accepted_per_position: tuple[int, ...]  # [k]: steps whose draft i was accepted
     # Per sequence replayed, in order: the tokens its verify steps committed, its verify steps, and
-    # (with a step cost, else empty) the modelled seconds of its prefill and of those steps, each step's cost shared
-    # equally by the sequences in it.
+    # (with a step cost, else empty) the modelled seconds of its prefill and of those steps, each
+    # step's cost shared equally by the sequences in it.
     tokens: tuple[int, ...] = ()
     steps_per_trace: tuple[int, ...] = ()
     seconds: tuple[float, ...] = ()

@@ -8,8 +8,9 @@ A step of B sequences verifying w positions each, R of whose drafts DFlash made,
 
 and each sequence's prefill, in serving's chunks of `PREFILL_CHUNK` prompt tokens, costs the target's
 pass over them and, with a drafter, its observe of every one: a drafter pays for a prompt before it
-drafts a token (left out, the model rated drafter systems 3-5% faster against suffix decoding alone
-than live decoding did: docs/performance.md, "The bench, and training only where suffix decoding misses").
+drafts a token (without this the model rated drafter systems 3-5% faster against suffix decoding
+alone than live decoding did; docs/performance.md, "The bench, and training only where suffix
+decoding misses").
 
 Each term is fitted (`fixed + per unit`) to median times measured here, in the process that
 replays, on this CPU under its current load. Two contenders whose drafters have the same shape
@@ -63,7 +64,7 @@ class StepCost:
         return s
 
     def prefill_seconds(self, prompt: int) -> float:
-        """A prompt of `prompt` tokens prefilled in `PREFILL_CHUNK`s: the target's passes and the drafter's observes."""
+        """A prompt of `prompt` tokens prefilled in `PREFILL_CHUNK`s: the target's passes, the drafter's observes."""
         chunks = [min(PREFILL_CHUNK, prompt - start) for start in range(0, prompt, PREFILL_CHUNK)]
         observe = self.dflash_observe
         return sum(self.target(c) + (observe(c) if observe is not None else 0.0) for c in chunks)

@@ -5,8 +5,8 @@ Each contender is replayed as serving drafts with it by default: the drafter wit
 (`DEFAULT_LEARNED_KIND`, `engine/speculation/kinds.py`), at the challenger's block size. The baseline
 is what serves: the champion, unless it is not `serve_margin` (the gate's `min_relative_gain`) faster
 than suffix decoding alone, or there is none: then suffix decoding alone. The champion is tagged with
-that verdict, and engines bench a benched champion (`engine/server/drafter_follower.py`). Every contender's suffix
-cache starts warmed with the run's training traces (the recent traffic a serving cache holds when a
+that verdict, and engines bench a benched champion (`engine/server/drafter_follower.py`). Every
+contender's suffix cache starts warmed with the run's training traces (the recent traffic a serving cache holds when a
 new drafter starts serving), and the held-out traces (the run's eval split: recent, consented,
 never trained on) are replayed in arrival order, so each learns from the ones before it as serving
 would. Speed is modelled from this machine's measured cost of a step's parts by batch, width and

@@ -1,6 +1,6 @@
 """What `specloop status` and the daemon's /status report: per base model, the champion (and whether
-engines bench it) and the challenger (with its approval), pending approvals, the last runs and alias moves, and when the
-next tick is due.
+engines bench it) and the challenger (with its approval), pending approvals, the last runs and alias
+moves, and when the next tick is due.
 
 Read from the registry and the state database only, so it works with no daemon running.
 Not here: printing (`daemon/retrain/cli.py`), serving (`daemon/retrain/http.py`).
@@ -66,7 +66,7 @@ def _version(v: DrafterVersion | None) -> dict[str, Any] | None:
     return {"version": v.label, "tau_challenger": v.tau_challenger, "tau_champion": v.tau_champion,
             "approval": None if v.approval is None else v.approval.value, "gate_reason": v.tags.get("gate_reason"),
             "run": v.tags.get("retrain_run"), "speed_over_suffix": v.speed_over_suffix,
-            # engines draft with suffix decoding alone while it is not faster (engine/server/drafter_follower.py)
+            # engines draft with suffix decoding alone while it is benched (engine/server/drafter_follower.py)
             "benched": v.benched}
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 
 from specloop.daemon.training.config import TrainConfig
 from specloop.engine.model.transformer import Transformer
@@ -56,11 +57,8 @@ class Batch:
         lengths = torch.tensor([len(r) for r in rows])
         mask = None
         if skipped is not None:
-            mask = torch.zeros(len(rows), S, dtype=torch.bool)
-            for i, (r, skip) in enumerate(zip(rows, skipped, strict=True)):
-                assert skip.shape == (len(r),), (skip.shape, len(r))
-                mask[i, :len(r)] = skip
-            mask = mask.to(device)
+            assert [s.shape for s in skipped] == [(len(r),) for r in rows], "one mask per row, as long as it"
+            mask = pad_sequence(skipped, batch_first=True).to(device)  # [B, S]
         return cls(tokens.to(device), prompt_lens.to(device), lengths.to(device), skipped=mask)
 
 

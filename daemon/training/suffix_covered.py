@@ -29,14 +29,14 @@ _NAMESPACE = "training"  # one tenant: the dataset's traces are the deployment's
 def suffix_covered(sequences: list[TokenSequence], max_len: int) -> list[torch.Tensor]:
     """Per sequence, `[min(len(tokens), max_len)]` bool: True at response positions after which suffix
     decoding drafts in DFlash's place."""
-    proposer = SuffixProposer(SuffixConfig(block_size=SUFFIX_BLOCK_SIZE), SuffixCache())
-    assert proposer.cache is not None
+    cache = SuffixCache()
+    proposer = SuffixProposer(SuffixConfig(block_size=SUFFIX_BLOCK_SIZE), cache)
     out = []
     for seq in sequences:
         tokens = np.asarray(seq.tokens[:max_len], dtype=np.int32)  # [S]
         covered = torch.zeros(len(tokens), dtype=torch.bool)
         for p in range(len(seq.prompt), len(tokens) - 1):
             covered[p] = proposer.draft(tokens[:p + 1], _NAMESPACE).score >= SUFFIX_MIN_SCORE
-        proposer.cache.add(_NAMESPACE, list(seq.tokens))
+        cache.add(_NAMESPACE, list(seq.tokens))
         out.append(covered)
     return out

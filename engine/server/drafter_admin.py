@@ -4,8 +4,8 @@ Authenticated like the consent admin API (the admin token as a bearer token: 401
 with a wrong one) and answered in the OpenAI error shape. The body is optional and, when given,
 must be an empty JSON object: anything else is a 400 naming what is wrong. The answer is what the
 look did (`engine/server/drafter_follower.py`, `CheckResult`): `swapped`, `unchanged`, `refused`
-(with the reason), `benched` (suffix decoding alone drafts: the daemon found it faster than the
-champion), `no_champion` or `unavailable` (the registry could not be reached; 503).
+(with the reason), `benched` (suffix decoding alone drafts: the daemon found the champion short of
+its margin over it), `no_champion` or `unavailable` (the registry could not be reached; 503).
 """
 
 import dataclasses

@@ -38,11 +38,11 @@ registry cannot be reached, serving goes on and the thread retries with backoff 
 60 s), logging the outage once and the recovery once.
 
 A champion is **benched** while the daemon's newest contest found it + suffix decoding less than the
-policy's margin faster than suffix decoding alone (its `benched` tag is "true"; `daemon/retrain/contest.py`):
-new sequences draft with suffix decoding alone (`drafter_version` none) and the alias stays, so the
-next contest judges it again and a later "false" swaps it back in through every check above. Only an engine
-serving the default kind (`dflash+suffix`) benches: the contest measures nothing else. A version no
-contest has judged yet (the seeded shipped drafter) serves.
+policy's margin faster than suffix decoding alone (its `benched` tag is "true";
+`daemon/retrain/contest.py`): new sequences draft with suffix decoding alone (`drafter_version`
+none) and the alias stays, so the next contest judges it again and a later "false" swaps it back in
+through every check above. Only an engine serving the default kind (`dflash+suffix`) benches: the
+contest measures nothing else. A version no contest has judged yet (the seeded shipped drafter) serves.
 
 Not here: the registry's names and tags (`storage/registry.py`), the engine's swap mechanics
 (`engine/runtime/llm_engine.py`), HTTP (`engine/server/`).

@@ -14,8 +14,8 @@ LEARNED_KINDS: tuple[ProposerKind, ...] = ("dflash", "combined", "dflash+suffix"
 # What drafts with a drafter when a server is not told ("auto"), what the daemon's contest replays and
 # what `tau_canary` is measured with. Suffix decoding alone was faster than it at concurrency 8 on
 # every set measured (docs/performance.md, "Suffix decoding"), so serving does not assume the drafter
-# pays: an engine benches a champion the contest found slower than suffix decoding alone
-# (`engine/server/drafter_follower.py`).
+# pays: an engine benches a champion the contest found short of the policy's margin over suffix
+# decoding alone (`engine/server/drafter_follower.py`).
 DEFAULT_LEARNED_KIND: ProposerKind = "dflash+suffix"
 assert set(LEARNED_KINDS) < set(get_args(ProposerKind)) and DEFAULT_LEARNED_KIND in LEARNED_KINDS
 
