@@ -34,11 +34,19 @@ widen the whole weight for one fp32 `F.linear`. Measured on a Xeon Ice Lake with
 and on the same CPU unforced, oneDNN's emulated bf16 at 512 rows took 30.6 ms on 576 → 3072.
 
 NVFP4 layers (`engine/model/nvfp4_linear.py`) become `CpuNvfp4Linear`s: passes of up to `FP4_ROWS`
-rows go to the kernel's NVFP4 tiles (4.5 bits per weight, int8 activations); larger ones to a
-`CpuLinear` of the dequantized weight. Measured on a Xeon Ice Lake (AVX2 build, 2 threads, the 120
-layer matrices of SmolLM2 shaped as random weights): 4.2 ms at one row against 13.4 ms for the bf16
-kernel, 9.4 against 16.0 at four rows, 17.9 against 33.1 at eight; on one thread both stream about
-8 GB/s at one row, so one row is bound by memory and more rows by the per-row integer work.
+rows go to the kernel's NVFP4 tiles (4.5 bits per weight, int8 activations); larger ones (prefill
+chunks) to a `CpuLinear` of the dequantized weight. Measured on a Xeon Ice Lake (AVX2 build, 2
+threads, the 120 layer matrices of SmolLM2 shaped as random weights): 4.2 ms at one row against 13.4
+ms for the bf16 kernel, 9.4 against 16.0 at four rows, 17.9 against 33.1 at eight; on one thread both
+stream about 8 GB/s at one row, so one row is bound by memory and more rows by the per-row integer
+work. `FP4_ROWS` is every pass the fused decoder takes, not where the kernel stops winning: the two
+paths round differently, so a token's logits would depend on how many rows shared its pass, and
+greedy speculation would stop being token-identical to plain decoding. It was 16, and an NVFP4 LM
+head (SmolLM2, AMX Xeon) answered 8 concurrent requests with drafts differently from plain decoding
+(`benchmarks/first_drafter.py`, run 1), since a verify pass of 8 × 4 rows read the dense head. That
+exactness costs time on wide passes: the LM head took 10.7 ms at 32 rows in the kernel against 2.5
+dense, 5.3 against 1.8 at 16 and 2.6 against 3.3 at 8 (`benchmarks/first_drafter.py`'s CPU); the
+engine's width rule sees it in its measured pass cost (`engine/runtime/verify_cost.py`).
 
 These layers have no autograd: training code must use the plain `nn.Linear` model.
 """
@@ -49,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specloop.engine.cpu.fused_decode import FP4_CHUNK, attach
+from specloop.engine.cpu.fused_decode import FP4_CHUNK, MAX_DECODE_ROWS, attach
 from specloop.engine.model.nvfp4_linear import Nvfp4Linear
 from specloop.engine.model.transformer import Transformer
 from specloop.kernels.cpu_decode import cpu_plan, load
@@ -59,8 +67,8 @@ from specloop.kernels.cpu_decode import cpu_plan, load
 SMALL_ROWS = 8
 # Rows up to which the kernel beats widening a bf16 weight for fp32 `F.linear` (table above).
 WIDENED_ROWS = 32
-# Rows up to which the NVFP4 kernel beats the dense dequantized weight (figures above).
-FP4_ROWS = 16
+# Rows up to which NVFP4 layers run on the kernel's tiles: every pass the fused decoder takes (above).
+FP4_ROWS = MAX_DECODE_ROWS
 
 
 class CpuLinear(nn.Module):
@@ -88,11 +96,7 @@ class CpuLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         if self.kernel is not None and rows <= self.kernel_rows:
-            # Packed on first use: the layers the fused pass covers (engine/cpu/fused_decode.py) never
-            # see a small pass, so they never hold this extra copy.
-            if self._tiles is None:
-                self._tiles = self.kernel.pack(self._weight)
-            return self.kernel.linear(x, self._tiles, self._weight.shape[0], self.bias)
+            return self.kernel.linear(x, self._kernel_tiles(), self._weight.shape[0], self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.weight_t is not None:
@@ -104,6 +108,52 @@ class CpuLinear(nn.Module):
             return F.linear(x, self._weight, self.bias)
         bias = None if self.bias is None else self.bias.float()
         return F.linear(x.float(), self._weight.float(), bias).to(self.dtype)
+
+    def _kernel_tiles(self) -> torch.Tensor:
+        """The kernel's layout of the weight, packed on first use: the layers the fused pass covers
+        (engine/cpu/fused_decode.py) never see a small pass, so they never hold this extra copy."""
+        if self._tiles is None:
+            self._tiles = self.kernel.pack(self._weight)
+        return self._tiles
+
+
+class CpuLmHead(CpuLinear):
+    """A dense LM head: as `CpuLinear`, and every row's argmax is the one the row alone gets.
+
+    A pass of more than `kernel_rows` rows (a verify pass, a decode step of many sequences) runs on
+    oneDNN or `F.linear`, which sum each logit in another order than the kernel that one-row decode
+    steps use. Both sum in fp32; the bf16 results then differ by at most one bf16 step (on SmolLM2's
+    head, AMX Xeon: 0.016 to 0.063 at 9 to 64 random rows, never bit-equal past 8), so a row whose
+    top two logits are that close could be greedy-decoded differently by a verify pass than by plain
+    decoding. Rows whose top two lie within `_rounding_margin` are computed again by the kernel (its
+    rows do not depend on their batch): greedy answers stay token-identical to plain decoding at any
+    batch, at the cost of a top-2 over the pass and the kernel on those rows (9% of real answers' rows);
+    the other logits stay within a rounding step of the kernel's. On the AMX Xeon that took the head
+    from 2.4 to 6.7 ms at 32 rows and decoding 1-7% (`benchmarks/lm_head_exactness.py`); the kernel on
+    every row instead took 13.3 ms.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if self.kernel is None or x.numel() // x.shape[-1] <= self.kernel_rows:
+            return y
+        rows, logits = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])  # [N, H], [N, V]
+        top = logits.topk(2, dim=-1).values.float()  # [N, 2]
+        close = (top[:, 0] - top[:, 1] <= _rounding_margin(top[:, 0], y.dtype)).nonzero()[:, 0]
+        if len(close):
+            logits[close] = self.kernel.linear(rows[close], self._kernel_tiles(), self._weight.shape[0], self.bias)
+        return y
+
+
+def _rounding_margin(top: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The gap between a row's top two logits `[N]` below which summing in another order may swap them:
+    two bf16 steps at their magnitude (each sum is rounded once to bf16's 8 bits, so each logit moves by
+    at most one step), or 2^-10 of it in fp32 (a sum of 576 to a few thousand fp32 products drifts by
+    about 2^-14 of it)."""
+    scale = top.abs().clamp(min=1.0)
+    if dtype == torch.bfloat16:
+        return 2 * torch.exp2(torch.floor(torch.log2(scale)) - 7)
+    return scale * 2.0 ** -10
 
 
 class CpuNvfp4Linear(nn.Module):
@@ -156,7 +206,9 @@ def optimize_for_cpu_inference(model: nn.Module, fused: bool = True) -> nn.Modul
         return model
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear | Nvfp4Linear):
+            if isinstance(module, Transformer) and name == "lm_head" and type(child) is nn.Linear:
+                setattr(module, name, CpuLmHead(child))  # greedy decisions are made on its rows
+            elif isinstance(child, nn.Linear | Nvfp4Linear):
                 setattr(module, name, for_cpu_inference(child))
     if fused and isinstance(model, Transformer):
         attach(model)

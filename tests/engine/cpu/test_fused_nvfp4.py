@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specloop.engine.cpu.fused_decode import supports
+from specloop.engine.cpu.fused_decode import MAX_DECODE_ROWS, supports
 from specloop.engine.cpu.linear import FP4_ROWS, CpuNvfp4Linear, optimize_for_cpu_inference
 from specloop.engine.loaders.load import load_model
 from specloop.engine.model.config import ModelConfig
@@ -76,6 +76,11 @@ def test_a_token_does_not_depend_on_its_batch_or_block(tiny_llama_dir: Path) -> 
     assert torch.equal(block[:1], torch.cat(alone, dim=1))
     head_rows = model.logits(block.reshape(-1, block.shape[-1]))
     assert torch.equal(head_rows[:1], model.logits(block[0, :1]))
+    # Any pass the fused decoder takes (a verify pass of 8 sequences x 4 rows, 64 decode steps): the
+    # NVFP4 head's rows as alone, which they were not while passes of over 16 rows read the dense head.
+    hidden = torch.randn(MAX_DECODE_ROWS, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    for rows in (17, 32, MAX_DECODE_ROWS):
+        assert torch.equal(model.logits(hidden[:rows])[rows - 1], model.logits(hidden[rows - 1:rows])[0]), rows
 
 
 def test_greedy_speculation_is_lossless(tiny_llama_dir: Path) -> None:

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import specloop.engine.cpu.linear as cpu_linear
-from specloop.engine.cpu.linear import SMALL_ROWS, WIDENED_ROWS, CpuLinear, optimize_for_cpu_inference
+from specloop.engine.cpu.linear import SMALL_ROWS, WIDENED_ROWS, CpuLinear, CpuLmHead, optimize_for_cpu_inference
 from specloop.kernels.cpu_features import CpuPlan, Isa
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -64,3 +64,33 @@ def test_optimize_swaps_every_linear_and_keeps_other_modules() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 4))).requires_grad_(False)
     optimize_for_cpu_inference(model)
     assert isinstance(model[0], CpuLinear) and isinstance(model[2][0], CpuLinear) and isinstance(model[1], nn.ReLU)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_lm_heads_rows_argmax_as_alone_whatever_the_pass(kernel_isa: Isa, dtype: torch.dtype) -> None:
+    """Past the kernel's rows the head sums in another order; rows with their top two logits too close
+    for that come from the kernel, so each row's greedy token is the one a one-row step gives."""
+    torch.manual_seed(1)
+    linear = nn.Linear(576, 512, bias=False).to(dtype).requires_grad_(False)  # SmolLM2's width
+    linear.weight[0] *= 8  # token 0 leads wherever x points its way...
+    linear.weight[1] = linear.weight[0]  # ...and token 1 ties it there, within rounding
+    linear.weight[1, 0] += 1e-3 * linear.weight[0, 0].sign()
+    head = CpuLmHead(linear)
+    x = torch.randn(40, 576, dtype=dtype)  # past every kernel limit
+    alone = torch.cat([head(x[i:i + 1]) for i in range(40)])  # [40, V]: the kernel's rows
+    pass_ = head(x)
+    top = pass_.topk(2, dim=-1).values.float()  # [40, 2]
+    close = top[:, 0] - top[:, 1] <= cpu_linear._rounding_margin(top[:, 0], dtype)  # [40]
+    assert close.sum() >= 5  # the rows this is about: tokens 0 and 1 within rounding of each other
+    assert torch.equal(pass_[close], alone[close])  # computed again by the kernel, bit for bit
+    assert torch.equal(pass_.argmax(dim=-1), alone.argmax(dim=-1))
+    # What the plain layer does past the kernel's rows: not the kernel's numbers.
+    assert not torch.equal(CpuLinear(linear)(x), alone)
+
+
+def test_only_a_transformers_dense_lm_head_becomes_an_lm_head(tiny_llama_dir) -> None:
+    from specloop.engine.loaders.load import load_model
+
+    model = optimize_for_cpu_inference(load_model(tiny_llama_dir, torch.float32, torch.device("cpu")).model)
+    heads = [name for name, m in model.named_modules() if type(m) is CpuLmHead]
+    assert heads == ["lm_head"] and sum(type(m) is CpuLinear for m in model.modules()) > 0
