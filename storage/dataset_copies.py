@@ -41,13 +41,22 @@ _KEPT_WHEN_EXPIRED = {LINEAGE_NAME, RUN_ERASURES_NAME, TRAIN_SUBJECTS_FILE}
 @dataclass(frozen=True, slots=True)
 class Lineage:
     """A run, the drafter version it registered (None: none yet), the dataset directory it trained
-    on (relative to the run; None: not known yet) and the version it warm-started from."""
+    on (relative to the run; None: not known yet) and the version it warm-started from, of its own base
+    model or, for a base model's first drafter, of `warm_start_base_model`."""
 
     run_id: str
     base_model: str | None
     version: str | None
     dataset: str | None = None
     warm_start_from: str | None = None
+    warm_start_base_model: str | None = None  # None: `base_model`
+
+    @property
+    def parent(self) -> tuple[str | None, str] | None:
+        """(base model, version) of the drafter this run's weights started from; None: a new drafter."""
+        if self.warm_start_from is None:
+            return None
+        return self.warm_start_base_model or self.base_model, self.warm_start_from
 
     @property
     def label(self) -> str:
@@ -65,7 +74,8 @@ class ScrubResult:
 def record_lineage(run_dir: Path, lineage: Lineage) -> None:
     """Note in the run's directory which drafter version its dataset trained, and from what."""
     write_json_atomic(run_dir / LINEAGE_NAME, {"base_model": lineage.base_model, "version": lineage.version,
-                                               "dataset": lineage.dataset, "warm_start_from": lineage.warm_start_from})
+                                               "dataset": lineage.dataset, "warm_start_from": lineage.warm_start_from,
+                                               "warm_start_base_model": lineage.warm_start_base_model})
 
 
 def read_lineage(run_dir: Path) -> Lineage:
@@ -73,7 +83,8 @@ def read_lineage(run_dir: Path) -> Lineage:
     if not path.exists():
         return Lineage(run_dir.name, None, None)
     d = json.loads(path.read_text())
-    return Lineage(run_dir.name, d["base_model"], d["version"], d.get("dataset"), d.get("warm_start_from"))
+    return Lineage(run_dir.name, d["base_model"], d["version"], d.get("dataset"), d.get("warm_start_from"),
+                   d.get("warm_start_base_model"))
 
 
 def _trained_on(run_dir: Path, path: Path) -> bool:

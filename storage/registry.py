@@ -73,7 +73,10 @@ class Tag:
     PREVIOUS_CHAMPION = "previous_champion"  # the champion this version replaced when it was promoted
     ROLLED_BACK = "rolled_back"  # why this version stopped being champion, when live τ fell
     RUN = "retrain_run"  # the daemon run that produced it
-    BOOTSTRAP_FROM = "bootstrap_from"  # the base model whose prompts a first drafter was trained on
+    # A first drafter's: the base model whose prompts it was trained on (or "shipped-prompts"), and the
+    # other base model's drafter its weights started from ("<base model> v<N>").
+    BOOTSTRAP_FROM = "bootstrap_from"
+    WARM_START_FROM = "warm_start_from"
     TAU_CANARY = "tau_canary"  # τ on the canary probes at registration (engine/speculation/canary.py)
     TRAINED_ON_ERASED = "trained_on_erased"  # how many subjects erased since were in its training set
     # Its modelled decode-speed gain (drafter + suffix decoding over suffix decoding alone) in the newest

@@ -15,9 +15,10 @@ last one it applied (the cursor, per base model, in the work directory):
 
 And at every watch it acts on the registry: a version is tainted when its run's training split held
 an erased subject, or when it was warm-started from a tainted version (its weights carry what it
-started from). `keep` does nothing; `flag` sets the version's `trained_on_erased` tag to the number
-of erased subjects behind it; `retire` flags it and, when it holds `champion`, moves the alias back
-along the `previous_champion` chain to the newest version not tainted (or removes it), recorded in
+started from), another base model's included (a base model's first drafter, `run.py`). `keep` does
+nothing; `flag` sets the version's `trained_on_erased` tag to the number of erased subjects behind
+it; `retire` flags it and, when it holds `champion`, moves the alias back along the
+`previous_champion` chain to the newest version not tainted (or removes it), recorded in
 the promotion history, and removes `challenger` from a tainted version. Every step is idempotent.
 
 Not here: the erasure of trace files (storage), the consent registry, the policy's parsing.
@@ -45,6 +46,8 @@ from specloop.storage.layout import write_json_atomic
 from specloop.storage.registry import CHALLENGER, CHAMPION, DrafterRegistry, DrafterVersion, Tag
 
 log = logging.getLogger(__name__)
+
+Version = tuple[str | None, str]  # (base model, version number)
 
 
 @dataclass
@@ -105,9 +108,7 @@ class ErasureFollowUp:
                         erasure.erasure_id, rows, scrubbed.rows_removed)
         lineages = self._lineages()
         trained = [x for x in lineages if erasure.erasure_id in trained_on_erased(self.work_dir / x.run_id)]
-        mine = {x.version: x for x in lineages if x.base_model == self.base_model and x.version is not None}
-        descendants = sorted((v for v, ids in _tainted(mine, self.work_dir).items() if erasure.erasure_id in ids),
-                             key=int)
+        descendants = sorted((v for v, ids in self._tainted(lineages).items() if erasure.erasure_id in ids), key=int)
         append_audit(self.audit_log, "erasure_lineage", "daemon", erasure_id=erasure.erasure_id,
                      tenant=erasure.tenant, subject=erasure.subject, trace_rows_removed=rows,
                      dataset_rows_removed=scrubbed.rows_removed, trained_on=[x.label for x in trained],
@@ -120,11 +121,17 @@ class ErasureFollowUp:
             return []
         return [read_lineage(p) for p in sorted(self.work_dir.iterdir()) if p.is_dir()]
 
+    def _tainted(self, lineages: list[Lineage]) -> dict[str, set[str]]:
+        """This base model's versions -> the erasure ids behind each. A first drafter warm-started from
+        another base model's carries that one's too, so every base model's runs are followed."""
+        known = {(x.base_model, x.version): x for x in lineages if x.version is not None}
+        return {v: ids for (base_model, v), ids in _tainted(known, self.work_dir).items()
+                if base_model == self.base_model}
+
     def _act(self) -> list[str]:
         """Flag (and under `retire`, retire) every tainted version of this base model."""
-        mine = {x.version: x for x in self._lineages() if x.base_model == self.base_model and x.version is not None}
         acted = []
-        tainted = _tainted(mine, self.work_dir)
+        tainted = self._tainted(self._lineages())
         for version, erased in sorted(tainted.items(), key=lambda item: int(item[0])):
             try:
                 v = self.registry.version(self.base_model, version)
@@ -174,16 +181,17 @@ def _size(path: Path) -> int:
     return path.stat().st_size if path.exists() else -1
 
 
-def _tainted(lineages: dict[str, Lineage], work_dir: Path) -> dict[str, set[str]]:
-    """Version -> the erasure ids behind it: its own run's, and those of what it warm-started from
-    (followed iteratively, in version order: a long-lived deployment's chain is hundreds deep)."""
+def _tainted(lineages: dict[Version, Lineage], work_dir: Path) -> dict[Version, set[str]]:
+    """(base model, version) -> the erasure ids behind it: its own run's, and those of what it
+    warm-started from (followed iteratively: a long-lived deployment's chain is hundreds deep)."""
     own = {v: set(trained_on_erased(work_dir / x.run_id)) for v, x in lineages.items()}
-    memo: dict[str, set[str]] = {}
+    memo: dict[Version, set[str]] = {}
     for version in lineages:
-        chain, v = [], version
+        chain: list[Version] = []
+        v: Version | None = version
         while v is not None and v in lineages and v not in memo and v not in chain:
             chain.append(v)
-            v = lineages[v].warm_start_from
+            v = lineages[v].parent
         inherited = memo.get(v, set()) if v is not None else set()
         for link in reversed(chain):
             inherited = own[link] | inherited

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from apscheduler.triggers.cron import CronTrigger
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, FilePath, ValidationError, model_validator
 
 Positive = Annotated[float, Field(gt=0)]
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -56,12 +56,16 @@ class Triggers(_Section):
 
     `min_new_traces`: consented traces newer than the last run's data. `max_champion_age_hours`:
     the champion is older than this (None: never by age). `live_tau_below`: the champion's live τ
-    over the last `rollout.watch_minutes` fell below this (None: never by τ).
+    over the last `rollout.watch_minutes` fell below this (None: never by τ). `first_drafter`: the
+    served base model has no registered drafter at all (a model that ships none, an NVFP4 variant):
+    the daemon's first tick trains one at once (the data: `data.first_drafter_prompts`), and a run
+    that ended without registering one is tried again after `cooldown_minutes`.
     """
 
     min_new_traces: PositiveInt = 200
     max_champion_age_hours: Positive | None = None
     live_tau_below: Annotated[float, Field(ge=1)] | None = None
+    first_drafter: bool = True
 
 
 class OnErasure(StrEnum):
@@ -82,6 +86,12 @@ class Data(_Section):
     # A base model with no champion and too few traces of its own trains on the prompts of the base
     # model with the most traces, answered again by the new target (`bootstrap.py`).
     bootstrap_from_other_models: bool = True
+    # With no traces to bootstrap from, a first drafter trains on the target's answers to the first this
+    # many prompts of `first_drafter_prompts_file` (JSONL of {"messages": [...]}; None: the 256 that ship,
+    # `bootstrap.py`); 0: never. SmolLM2 NVFP4 answered 128 in 93-99 s on 2 cores of the AMX Xeon
+    # (docs/performance.md, "A served weight format's first drafter").
+    first_drafter_prompts: Annotated[int, Field(ge=0, le=4096)] = 128
+    first_drafter_prompts_file: FilePath | None = None
     # What happens to a registered drafter whose training set held a subject erased since
     # (`erasures.py`): keep it, flag it in the registry, or retire it from champion as well.
     on_erasure: OnErasure = OnErasure.FLAG

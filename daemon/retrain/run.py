@@ -1,12 +1,14 @@
 """One retraining run, step by step, each step logged, timed and written to the run log.
 
 dataset (the DuckDB builder over consented traces of the served base model, consent re-checked
-against a fresh snapshot, manifest written) → champion (download, for the warm start and the
-contest) → train (the challenger) → evaluate (suffix decoding alone, champion and challenger replayed
-on the same held-out traces) → gate → register (the champion tagged with its speed over suffix
-decoding alone, which decides whether engines draft with it; one MLflow run with params, metrics, the dataset
-through `log_inputs` with its digest, and the artifact; then one version created with every tag
-at once) → promote (move `champion`), or set `challenger` and wait for approval, or refuse.
+against a fresh snapshot, manifest written; with no champion and too few traces, a first drafter's
+data from `bootstrap.py`) → champion (download, for the warm start and the contest; a first
+drafter starts from the nearest other base model's champion that fits) → train (the challenger) →
+evaluate (suffix decoding alone, champion and challenger replayed on the same held-out traces) →
+gate → register (the champion tagged with its speed over suffix decoding alone, which decides
+whether engines draft with it; one MLflow run with params, metrics, the dataset through
+`log_inputs` with its digest, and the artifact; then one version created with every tag at once) →
+promote (move `champion`), or set `challenger` and wait for approval, or refuse.
 Consent is checked again just before `register` and just before `promote`: if any consent behind
 the dataset's traces is no longer in force, the run ends `consent_withdrawn` with nothing
 registered, or its registered version is refused with that reason (in the history and its tags),
@@ -43,15 +45,16 @@ from specloop.consent.registry import ConsentRegistry
 from specloop.daemon.evaluation.canary import canary_tau
 from specloop.daemon.retrain import gate as gates
 from specloop.daemon.retrain import promotion
-from specloop.daemon.retrain.bootstrap import bootstrap
+from specloop.daemon.retrain.bootstrap import bootstrap, held_out, shipped_answers
 from specloop.daemon.retrain.challenger import RunStopped, train_challenger, train_config
 from specloop.daemon.retrain.contest import CHALLENGER, CHAMPION, SUFFIX, Contest, run_contest
 from specloop.daemon.retrain.history import Action, PromotionHistory
 from specloop.daemon.retrain.policy import RetrainPolicy
 from specloop.daemon.retrain.run_log import RunLog, RunOutcome
 from specloop.daemon.retrain.settings import DaemonSettings
+from specloop.daemon.training.prompts import FIRST_DRAFTER
 from specloop.engine.loaders.load import LoadedModel
-from specloop.engine.speculation.drafter_artifact import max_artifact_bytes, read_meta
+from specloop.engine.speculation.drafter_artifact import load_drafter, max_artifact_bytes, read_meta
 from specloop.storage.dataset import DatasetManifest, build_dataset
 from specloop.storage.dataset_copies import Lineage, erasures_of, read_lineage, record_lineage
 from specloop.storage.registry import Approval, DrafterRegistry, DrafterVersion, RegistryUnavailable, Tag, tau_tags
@@ -78,19 +81,21 @@ class Loop:
 
 @dataclass(frozen=True)
 class Prepared:
-    manifest: DatasetManifest  # of the traces selected (another base model's, when bootstrapped)
+    manifest: DatasetManifest | None  # of the traces selected (another base model's, when bootstrapped)
     train: list[TokenSequence]
     heldout: list[TokenSequence]
     slice_keys: list[str] | None
     directory: Path
     dataset_digest: str  # of what is trained on
-    bootstrap_from: str | None = None  # the base model whose prompts this target answered again
+    # The base model whose prompts this target answered again, or `SHIPPED_PROMPTS` (then no manifest).
+    bootstrap_from: str | None = None
     # Every consent behind the traces trained and judged on, read when the dataset was built: an
     # erasure may scrub the files on disk during training, and the re-checks must still see them.
     consent_ids: frozenset[str] = frozenset()
 
 
 _RUN_ID_TIME = "%Y%m%d-%H%M%S"
+SHIPPED_PROMPTS = "shipped-prompts"  # `bootstrap_from` of a first drafter trained on the shipped prompts
 
 
 def new_run_id() -> str:
@@ -141,11 +146,14 @@ class RetrainRun:
             return RunOutcome.SKIPPED, prepared
         with self._step("champion"):
             champion = loop.registry.champion(loop.base_model)
-            champion_dir = None if champion is None else loop.registry.download(
-                champion, loop.settings.work_dir / "drafters", max_artifact_bytes(loop.target.model.config))
+            champion_dir = None if champion is None else self._download(champion)
+            if not loop.policy.training.warm_start:
+                warm = None
+            elif champion is None:  # a first drafter
+                self.warm_from, warm = self._nearest(prepared) or (None, None)
+            else:
+                self.warm_from, warm = champion, champion_dir
         with self._step("train"):
-            warm = champion_dir if loop.policy.training.warm_start else None
-            self.warm_from = None if warm is None else champion
             cfg = train_config(loop.policy.training, self.dir / "challenger", warm, run_seed(self.run_id),
                                _dtype_name(loop.target), len(prepared.train))
             result = train_challenger(cfg, loop.target.model, loop.base_model, prepared.train, self.should_stop,
@@ -172,9 +180,12 @@ class RetrainRun:
             if champion is not None:  # what engines serve changes only from a run whose consents still hold
                 self._judge_champion(champion, contest)
             version = self._register(prepared, contest, decision, result, champion, tau_canary)
+            parent = self.warm_from
             record_lineage(self.dir, Lineage(self.run_id, loop.base_model, version.version,  # what erasure reports
                                              str(prepared.directory.relative_to(self.dir)),
-                                             None if warm is None or champion is None else champion.version))
+                                             None if parent is None else parent.version,
+                                             None if parent is None or parent.base_model == loop.base_model
+                                             else parent.base_model))
         self.loop.runs.step(self.run_id, "registered", self.timings, version.version)
         with self._step("promote"):
             withdrawn = self._withdrawn(prepared)
@@ -205,9 +216,11 @@ class RetrainRun:
                      manifest.consented_traces, manifest.train_rows, manifest.eval_rows, manifest.source_files)
             why = f"{manifest.train_rows} training traces, the policy needs {policy.data.min_traces}"
         if manifest is None or manifest.train_rows < policy.data.min_traces:
-            if not policy.data.bootstrap_from_other_models or loop.registry.champion(loop.base_model) is not None:
+            if loop.registry.champion(loop.base_model) is not None:
                 return why
-            return self._bootstrapped(snapshot, since) or why
+            # A first drafter: another base model's consented prompts, else the shipped ones.
+            boot = self._bootstrapped(snapshot, since) if policy.data.bootstrap_from_other_models else None
+            return boot or self._shipped() or why
         if manifest.eval_rows < policy.evaluation.min_heldout:
             return f"{manifest.eval_rows} held-out traces, the policy needs {policy.evaluation.min_heldout}"
         train = _sequences(directory / "train.parquet")
@@ -235,8 +248,9 @@ class RetrainRun:
         trace it trained or was judged on whose consent is no longer in force (revoked, expired), or
         whose subject was erased meanwhile (the erasure scrubbed the dataset, not the weights)."""
         if self.warm_from is not None and Tag.TRAINED_ON_ERASED in self.loop.registry.version(
-                self.loop.base_model, self.warm_from.version).tags:  # its weights carry what it started from
-            return f"warm-started from {self.warm_from.label}, trained on subjects erased since"
+                self.warm_from.base_model, self.warm_from.version).tags:  # its weights carry what it started from
+            parent = self.warm_from
+            return f"warm-started from {parent.base_model} {parent.label}, trained on subjects erased since"
         erased = erasures_of(self.dir)
         if erased:
             log.warning("run %s: %d subjects of its dataset were erased since it was built", self.run_id, len(erased))
@@ -265,6 +279,55 @@ class RetrainRun:
         return Prepared(boot.manifest, boot.train, heldout, None, directory, digest(boot.train),
                         bootstrap_from=boot.source, consent_ids=_consent_ids(directory))
 
+    def _shipped(self) -> Prepared | None:
+        """The target's answers to the shipped prompts (no one's data: no consent), when the policy
+        asks for some and they are enough (else None)."""
+        policy = self.loop.policy
+        count = policy.data.first_drafter_prompts
+        held = held_out(count, policy.evaluation.heldout_fraction)
+        if count < 2 or count - held < policy.data.min_traces or held < policy.evaluation.min_heldout:
+            log.warning("run %s: %d shipped prompts would give %d to train on and %d held out, fewer than the "
+                        "policy needs", self.run_id, count, max(0, count - held), max(0, held))
+            return None
+        answers = shipped_answers(self.loop.target, count, policy.evaluation.heldout_fraction,
+                                  policy.data.first_drafter_prompts_file or FIRST_DRAFTER)
+        if len(answers.train) < policy.data.min_traces or len(answers.heldout) < policy.evaluation.min_heldout:
+            log.warning("run %s: the target could read %d of the %d shipped prompts, fewer than the policy needs",
+                        self.run_id, len(answers.train) + len(answers.heldout), count)
+            return None
+        directory = self.dir / SHIPPED_PROMPTS
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / answers.prompts.name).write_bytes(answers.prompts.read_bytes())  # what it answered, kept
+        return Prepared(None, answers.train, answers.heldout[:policy.evaluation.max_heldout], None, directory,
+                        digest(answers.train), bootstrap_from=SHIPPED_PROMPTS)
+
+    def _download(self, v: DrafterVersion) -> Path:
+        return self.loop.registry.download(v, self.loop.settings.work_dir / "drafters",
+                                           max_artifact_bytes(self.loop.target.model.config))
+
+    def _nearest(self, prepared: Prepared) -> tuple[DrafterVersion, Path] | None:
+        """A first drafter's warm start: the champion of the base model this target was quantized from,
+        else of the one whose prompts it answered, if that drafter fits this target's shape.
+
+        Its weights are only where training starts (`daemon/training/drafter_init.py`); the lineage
+        names it, so an erasure behind it taints this base model's drafter too (`erasures.py`)."""
+        loop = self.loop
+        candidates = (loop.target.source_fingerprint, prepared.bootstrap_from)
+        for base_model in dict.fromkeys(c for c in candidates if c not in (None, SHIPPED_PROMPTS, loop.base_model)):
+            parent = loop.registry.champion(base_model)
+            if parent is None:
+                continue
+            path = self._download(parent)
+            try:
+                load_drafter(path, None).drafter.config.check_target(loop.target.model.config)
+            except ValueError as e:
+                log.info("run %s: no warm start from %s of %s: %s", self.run_id, parent.label, base_model, e)
+                continue
+            log.info("run %s: first drafter of %s, warm-started from %s of %s", self.run_id, loop.base_model,
+                     parent.label, base_model)
+            return parent, path
+        return None
+
     def _register(self, prepared: Prepared, contest: Contest, decision: gates.GateDecision, result: Any,
                   champion: DrafterVersion | None, tau_canary: float) -> DrafterVersion:
         loop = self.loop
@@ -288,6 +351,8 @@ class RetrainRun:
                 tags[Tag.APPROVAL] = Approval.PENDING.value
             if prepared.bootstrap_from is not None:
                 tags[Tag.BOOTSTRAP_FROM] = prepared.bootstrap_from
+            if self.warm_from is not None and self.warm_from.base_model != loop.base_model:
+                tags[Tag.WARM_START_FROM] = f"{self.warm_from.base_model} {self.warm_from.label}"
             version = registry.register(result.artifact, loop.base_model, tags, run_id=mlflow_run)
         except BaseException:
             _end_quietly(registry, mlflow_run, "FAILED")
@@ -406,12 +471,15 @@ def _dataset_input(prepared: Prepared) -> DatasetInput:
         source = resolve_dataset_source(prepared.directory.resolve().as_uri())
     manifest = prepared.manifest
     # MLflow keeps at most 36 characters of a digest: the hex of our sha256, cut; the full one is a param.
-    dataset = MetaDataset(source, name=f"traces-{manifest.base_model}",
-                          digest=manifest.content_digest.removeprefix("sha256:")[:36])
-    tags = [InputTag("mlflow.data.context", "training"), InputTag("train_rows", str(manifest.train_rows)),
-            InputTag("eval_rows", str(manifest.eval_rows)),
-            InputTag("consent_snapshot", manifest.consent_snapshot_digest)]
-    return DatasetInput(dataset._to_mlflow_entity(), tags)
+    if manifest is None:  # the shipped prompts, answered by this target
+        dataset = MetaDataset(source, name=SHIPPED_PROMPTS, digest=prepared.dataset_digest.removeprefix("sha256:")[:36])
+        tags = [InputTag("train_rows", str(len(prepared.train))), InputTag("eval_rows", str(len(prepared.heldout)))]
+    else:
+        dataset = MetaDataset(source, name=f"traces-{manifest.base_model}",
+                              digest=manifest.content_digest.removeprefix("sha256:")[:36])
+        tags = [InputTag("train_rows", str(manifest.train_rows)), InputTag("eval_rows", str(manifest.eval_rows)),
+                InputTag("consent_snapshot", manifest.consent_snapshot_digest)]
+    return DatasetInput(dataset._to_mlflow_entity(), [InputTag("mlflow.data.context", "training"), *tags])
 
 
 def _flat(prefix: str, value: Any) -> dict[str, Any]:

@@ -11,7 +11,9 @@ It loads the target once, then runs two jobs on an APScheduler 3.x `BackgroundSc
 - the watch, every `watch_s` seconds (in memory: it has nothing to catch up on): live τ from the
   engines, approvals, rollbacks (`watch.py`).
 
-At start it finishes what a killed daemon left (`run.resume_promotion`). `shutdown()` (SIGTERM, via
+At start it finishes what a killed daemon left (`run.resume_promotion`), and when the base model has
+no drafter registered at all it brings the first tick forward to now (`triggers.first_drafter_due`).
+`shutdown()` (SIGTERM, via
 the HTTP server's lifespan) sets the stop event: a run in training stops within a few steps and is
 recorded as abandoned, with nothing registered; `shutdown()` waits for it before it stops the
 scheduler.
@@ -31,6 +33,7 @@ from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.base import BaseTrigger
 from apscheduler.triggers.cron import CronTrigger
+from apscheduler.triggers.date import DateTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
 from specloop.consent.registry import ConsentRegistry
@@ -46,7 +49,7 @@ from specloop.daemon.retrain.run_log import RunLog, RunOutcome
 from specloop.daemon.retrain.settings import DaemonSettings
 from specloop.daemon.retrain.state_db import open_state
 from specloop.daemon.retrain.status import tick_job_id
-from specloop.daemon.retrain.triggers import Situation, TickDecision, decide_tick
+from specloop.daemon.retrain.triggers import Situation, TickDecision, decide_tick, first_drafter_due
 from specloop.daemon.retrain.watch import Watch
 from specloop.engine.loaders.load import LoadedModel
 from specloop.storage.dataset import count_consented
@@ -57,6 +60,7 @@ log = logging.getLogger(__name__)
 # The persistent job store names the tick's function by import path, so the function finds its
 # daemon here by base model.
 _DAEMONS: dict[str, "RetrainDaemon"] = {}
+RETRY_TICK_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -108,8 +112,23 @@ class RetrainDaemon:
         # that takes: on their own thread, so that rollbacks are never late for them.
         self.scheduler.add_job(self._housekeeping, IntervalTrigger(seconds=self.settings.watch_s), id="housekeeping",
                                jobstore="memory", executor="housekeeping", replace_existing=True)
+        self._first_tick_now()
         self.scheduler.resume()
         log.info("retraining daemon for %s started; next tick %s", self.base_model, self.next_tick())
+
+    def _first_tick_now(self) -> None:
+        """A base model with no drafter at all gets its first one from the daemon's first start, not at
+        the schedule's next tick (hours away in production)."""
+        if not self.policy.triggers.first_drafter:
+            return
+        try:
+            due = first_drafter_due(self.policy, self.situation(datetime.now(UTC)))
+        except RegistryUnavailable as e:
+            log.warning("MLflow unavailable at start (%s): the schedule's ticks look again", e)
+            return
+        if due:
+            log.info("no drafter registered for %s: its first tick runs now to train one", self.base_model)
+            self.scheduler.modify_job(tick_job_id(self.base_model), next_run_time=datetime.now(UTC))
 
     def shutdown(self) -> None:
         """Stop: a run in progress is abandoned at its next check, and waited for."""
@@ -139,7 +158,8 @@ class RetrainDaemon:
         try:
             decision = decide_tick(self.policy, self.situation(now))
         except RegistryUnavailable as e:
-            decision = TickDecision(False, f"MLflow unavailable: {e}")
+            decision = TickDecision(False, f"MLflow unavailable: {e}; looking again in {RETRY_TICK_S:.0f} s")
+            self._tick_again_soon()
         report = TickReport(now, decision)
         if decision.train:
             report = TickReport(now, decision, self._run_under_lease(decision.reason))
@@ -149,6 +169,13 @@ class RetrainDaemon:
         self.last_tick = report
         self._update_next_tick()
         return report
+
+    def _tick_again_soon(self) -> None:
+        """One more tick `RETRY_TICK_S` from now, beside the schedule's (hours away in production): a
+        trigger that fired while MLflow was down is not lost for a whole interval."""
+        self.scheduler.add_job(scheduled_tick, DateTrigger(datetime.now(UTC) + timedelta(seconds=RETRY_TICK_S)),
+                               args=[self.base_model], id=f"{tick_job_id(self.base_model)}-retry", jobstore="memory",
+                               replace_existing=True)
 
     def situation(self, now: datetime) -> Situation:
         loop = self.loop
@@ -169,7 +196,13 @@ class RetrainDaemon:
                               datetime.fromtimestamp(champion.created_ms / 1000, UTC))
             window = self.live.tau(champion.label, now - timedelta(minutes=self.policy.rollout.watch_minutes), now)
             live_tau = None if window is None else window.tau
-        return Situation(now, new, champion_since, live_tau, None if promoted is None else promoted.at)
+        registered, ended = 1, None  # only a base model without a champion may need its first drafter
+        if champion is None:
+            registered = len(loop.registry.versions(self.base_model))
+            ended = max((r.finished_at for r in loop.runs.runs(self.base_model, limit=5) if r.finished_at),
+                        default=None)
+        return Situation(now, new, champion_since, live_tau, None if promoted is None else promoted.at,
+                         registered, ended)
 
     def _run_under_lease(self, why: str) -> str | None:
         lease = self._lease()

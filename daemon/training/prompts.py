@@ -28,6 +28,7 @@ Message = dict[str, str]
 EVALS_DATA = "evals/registry/data/"
 PromptSource = Literal["humaneval", "formal-logic", "evals", "file"]
 FORMAL_LOGIC = Path(__file__).parent / "prompt_sets" / "formal-logic.jsonl"
+FIRST_DRAFTER = Path(__file__).parent / "prompt_sets" / "first-drafter.jsonl"  # a base model's first drafter's
 
 
 @dataclass(frozen=True)

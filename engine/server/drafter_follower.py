@@ -195,6 +195,7 @@ class DrafterFollower:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._outage = 0  # consecutive failed lookups
+        self._no_champion_said = False  # logged since the alias was last seen empty
 
     def start(self) -> None:
         assert self._thread is None, "follower already started"
@@ -233,7 +234,9 @@ class DrafterFollower:
             self._recovered()
             serving = self.engine.drafter_version
             if champion is None:
+                self._say_no_champion()
                 return CheckResult("no_champion", serving)
+            self._no_champion_said = False
             if self._slower_than_lookup(champion):
                 return self._bench(champion)
             if champion.label == serving:
@@ -242,6 +245,13 @@ class DrafterFollower:
                 return CheckResult("refused", serving, champion.label, detail="refused before; waiting for the "
                                                                                  "alias to move")
             return self._swap_to(champion)
+
+    def _say_no_champion(self) -> None:
+        """Once per stretch without a champion: until the daemon trains one, lookup proposers draft alone."""
+        if not self._no_champion_said:
+            self._no_champion_said = True
+            log.warning("no drafter is champion of base model %s yet: lookup proposers draft alone until the "
+                        "retraining daemon registers one", self.fingerprint)
 
     def _slower_than_lookup(self, champion: DrafterVersion) -> bool:
         """Whether the daemon's newest contest benched `champion`. Only the default kind is judged: the

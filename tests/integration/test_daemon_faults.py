@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
 POLICY = """
 schedule: {{interval_minutes: 0.05}}
-triggers: {{min_new_traces: 10}}
+triggers: {{min_new_traces: 10, first_drafter: false}}
 data: {{min_traces: 10}}
 training: {{max_steps: {steps}, max_minutes: 5, batch_size: 2, anchors: 8, block_size: 4}}
 evaluation: {{heldout_fraction: 0.25, min_heldout: 4}}

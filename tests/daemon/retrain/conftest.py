@@ -2,6 +2,7 @@
 store's Parquet layout, a real consent registry, a real MLflow registry (SQLite, local artifacts)
 and the daemon's own SQLite state database. `make_loop(policy_yaml)` builds a `Loop` over them."""
 
+import json
 import random
 import uuid
 from collections.abc import Callable
@@ -28,8 +29,8 @@ TENANT = "acme"
 SUBJECT = "c" * 64
 FAST_POLICY = """
 schedule: {interval_minutes: 1}
-triggers: {min_new_traces: 10}
-data: {min_traces: 10}
+triggers: {min_new_traces: 10, first_drafter: false}
+data: {min_traces: 10, first_drafter_prompts: 0}  # tests of a first drafter turn both on
 training: {max_steps: 12, max_minutes: 2, batch_size: 2, anchors: 8, block_size: 4}
 evaluation: {heldout_fraction: 0.25, min_heldout: 4}
 gate: {min_relative_gain: -1.0}  # any challenger: random tiny drafters lose to suffix decoding alone
@@ -74,7 +75,8 @@ def consent_id(tmp_path: Path) -> str:
 
 @pytest.fixture
 def make_loop(tmp_path: Path, deep_loaded: LoadedModel) -> Callable[..., Loop]:
-    def make(policy_yaml: str = FAST_POLICY, registry: DrafterRegistry | None = None) -> Loop:
+    def make(policy_yaml: str = FAST_POLICY, registry: DrafterRegistry | None = None,
+             target: LoadedModel | None = None) -> Loop:
         policy_file = tmp_path / "policy.yaml"
         policy_file.write_text(policy_yaml)
         registry_uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -82,16 +84,34 @@ def make_loop(tmp_path: Path, deep_loaded: LoadedModel) -> Callable[..., Loop]:
                                   consent_db=tmp_path / "consent.db", state_db=f"sqlite:///{tmp_path / 'state.db'}",
                                   work_dir=tmp_path / "runs")
         db = open_state(settings.state_db)
-        return Loop(parse_policy(policy_yaml), settings, registry or DrafterRegistry(registry_uri), deep_loaded,
-                    RunLog(db), PromotionHistory(db))
+        return Loop(parse_policy(policy_yaml), settings, registry or DrafterRegistry(registry_uri),
+                    target or deep_loaded, RunLog(db), PromotionHistory(db))
 
     return make
 
 
-def seed_champion(loop: Loop, tmp_path: Path) -> str:
-    """A random tiny drafter as champion v1 (what a challenger warm-starts from); its version."""
-    art = save_drafter(tmp_path / "seed", tiny_drafter(loop.target.model, block_size=4), loop.base_model,
+def first_drafter_policy(prompts: Path, count: int = 16) -> str:
+    """FAST_POLICY with a first drafter made from the first `count` prompts of `prompts`."""
+    return (FAST_POLICY.replace("first_drafter: false", "first_drafter: true")
+            .replace("first_drafter_prompts: 0",
+                     f"first_drafter_prompts: {count}, first_drafter_prompts_file: {prompts}"))
+
+
+def short_prompts(path: Path, count: int = 24) -> Path:
+    """`count` one-line chat prompts the tiny model (256 positions) can answer: the shipped ones are longer."""
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"say {words[i % 8]} {i}"}]}) + "\n"
+                            for i in range(count)))
+    return path
+
+
+def seed_champion(loop: Loop, tmp_path: Path, base_model: str | None = None) -> str:
+    """A random tiny drafter as champion v1 of `base_model` (default: the loop's; what a challenger
+    warm-starts from); its version."""
+    folder = "seed" if base_model is None else f"seed-{base_model}"
+    base_model = base_model or loop.base_model
+    art = save_drafter(tmp_path / folder, tiny_drafter(loop.target.model, block_size=4), base_model,
                        Lineage("sha256:seed", 0, 0, {}))
-    v = loop.registry.register(art, loop.base_model)
-    loop.registry.set_alias(loop.base_model, CHAMPION, v.version)
+    v = loop.registry.register(art, base_model)
+    loop.registry.set_alias(base_model, CHAMPION, v.version)
     return v.version

@@ -7,7 +7,7 @@ import pytest
 from specloop.daemon.evaluation.speed_gain import SpeedGain
 from specloop.daemon.retrain.gate import GateVerdict, decide
 from specloop.daemon.retrain.policy import Gate, parse_policy
-from specloop.daemon.retrain.triggers import Situation, decide_tick
+from specloop.daemon.retrain.triggers import Situation, decide_tick, first_drafter_due
 
 FP, OTHER = "0123456789abcdef", "fedcba9876543210"
 NOW = datetime(2026, 12, 1, 12, tzinfo=UTC)
@@ -53,7 +53,7 @@ cooldown_minutes: 30
 
 def situation(new: int = 0, age_h: float = 1, live: float | None = 2.5, moved_min_ago: float | None = None):
     return Situation(NOW, new, NOW - timedelta(hours=age_h), live,
-                     None if moved_min_ago is None else NOW - timedelta(minutes=moved_min_ago))
+                     None if moved_min_ago is None else NOW - timedelta(minutes=moved_min_ago), 1, None)
 
 
 def test_each_trigger_fires_on_its_own() -> None:
@@ -69,9 +69,22 @@ def test_cooldown_holds_every_trigger_back() -> None:
     assert decide_tick(POLICY, situation(new=500, moved_min_ago=31)).train
 
 
-def test_no_champion_and_no_live_tau_fire_only_on_traces() -> None:
-    s = Situation(NOW, 5, None, None, None)
+def test_no_champion_after_a_first_drafter_was_registered_fires_only_on_traces() -> None:
+    s = Situation(NOW, 5, None, None, None, 1, NOW - timedelta(days=1))  # v1 was refused: traffic decides now
     assert not decide_tick(POLICY, s).train
+    assert decide_tick(POLICY, Situation(NOW, 100, None, None, None, 1, None)).train
+
+
+def test_a_base_model_without_any_drafter_trains_its_first_at_once_and_retries_after_the_cooldown() -> None:
+    never = Situation(NOW, 0, None, None, None, 0, None)
+    assert decide_tick(POLICY, never).reason == "no drafter registered for this base model: training its first"
+    assert first_drafter_due(POLICY, never)
+    tried = Situation(NOW, 0, None, None, None, 0, NOW - timedelta(minutes=10))  # skipped or failed 10 min ago
+    assert not decide_tick(POLICY, tried).train and not first_drafter_due(POLICY, tried)
+    assert first_drafter_due(POLICY, Situation(NOW, 0, None, None, None, 0, NOW - timedelta(minutes=31)))
+    off = parse_policy("schedule: {interval_minutes: 5}\ntriggers: {first_drafter: false}")
+    assert not first_drafter_due(off, never) and not decide_tick(off, never).train
+    assert not first_drafter_due(POLICY, situation())  # a champion serves
 
 
 def test_a_negative_margin_accepts_a_slower_challenger_and_its_noise() -> None:

@@ -97,3 +97,24 @@ def test_keep_leaves_the_registry_alone(make_loop: Callable[..., Loop], tmp_path
     erase_subject(loop.settings.traces_root, TENANT, SUBJECT, loop.settings.work_dir)
     assert _follow_up(loop, OnErasure.KEEP)() == []
     assert Tag.TRAINED_ON_ERASED not in loop.registry.version(loop.base_model, v2).tags
+
+
+def test_another_base_models_first_drafter_started_from_a_tainted_one_is_tainted_too(
+        make_loop: Callable[..., Loop], tmp_path: Path) -> None:
+    loop = make_loop()
+    v2 = _trained_champion(loop, tmp_path)
+    variant = "0a0a0a0a0a0a0a0a"  # an NVFP4 variant of the model, whose first drafter started from v2
+    first = loop.registry.version(variant, seed_champion(loop, tmp_path, base_model=variant))
+    record_lineage(loop.settings.work_dir / "run-9", Lineage("run-9", variant, first.version, "shipped-prompts",
+                                                             v2, loop.base_model))
+    erase_subject(loop.settings.traces_root, TENANT, SUBJECT, loop.settings.work_dir)
+
+    assert _follow_up(loop, OnErasure.FLAG)() == [f"v{v2}"]  # each daemon acts on its own base model
+    follow_variant = ErasureFollowUp(variant, loop.settings.traces_root, loop.settings.work_dir, loop.registry,
+                                     loop.history, OnErasure.FLAG, loop.settings.work_dir.parent / "audit.jsonl")
+    assert follow_variant() == [f"v{first.version}"]
+    assert loop.registry.version(variant, first.version).tags[Tag.TRAINED_ON_ERASED] == "1"
+    # Without the lineage's base model the chain would look for v2 among the variant's own versions.
+    record_lineage(loop.settings.work_dir / "run-9", Lineage("run-9", variant, first.version, "shipped-prompts", v2))
+    loop.registry.set_tags(variant, first.version, {Tag.TRAINED_ON_ERASED: "0"})
+    assert follow_variant._tainted(follow_variant._lineages()) == {}

@@ -53,6 +53,15 @@ def test_missing_schedule_and_wrong_types() -> None:
     assert line.startswith("p.yaml: evaluation.slices.1 (line 3): Input should be 'tenant' or 'endpoint'")
 
 
+def test_a_first_drafters_prompt_file_must_exist_and_its_count_is_bounded(tmp_path: Path) -> None:
+    missing = tmp_path / "no.jsonl"
+    (line,) = errors(f"schedule: {{interval_minutes: 5}}\ndata:\n  first_drafter_prompts_file: {missing}\n")
+    assert line.startswith("p.yaml: data.first_drafter_prompts_file (line 3): Path does not point to a file")
+    (line,) = errors("schedule: {interval_minutes: 5}\ndata: {first_drafter_prompts: 100000}\n")
+    assert line == "p.yaml: data.first_drafter_prompts (line 2): Input should be less than or equal to 4096"
+    assert parse_policy("schedule: {interval_minutes: 5}\n").data.first_drafter_prompts == 128
+
+
 def test_not_yaml_or_not_a_mapping() -> None:
     assert errors("schedule: [1,\n")[0].startswith("p.yaml (line 2): not valid YAML")
     assert errors("- 1\n") == ["p.yaml: a policy is a YAML mapping with at least a `schedule` section"]

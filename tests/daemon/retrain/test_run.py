@@ -3,6 +3,7 @@ dataset → train → contest → gate → register → promote, and each way it
 
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,18 @@ from specloop.consent.registry import ConsentRegistry
 from specloop.daemon.retrain.history import Action
 from specloop.daemon.retrain.run import Loop, RetrainRun, new_run_id, resume_promotion
 from specloop.daemon.retrain.run_log import RunOutcome
+from specloop.engine.loaders.load import LoadedModel
 from specloop.storage.dataset_copies import Lineage, read_lineage
 from specloop.storage.registry import CHALLENGER, Approval, DrafterRegistry, RegistryUnavailable, Tag
-from tests.daemon.retrain.conftest import FAST_POLICY, SUBJECT, TENANT, seed_champion, store_traces
+from tests.daemon.retrain.conftest import (
+    FAST_POLICY,
+    SUBJECT,
+    TENANT,
+    first_drafter_policy,
+    seed_champion,
+    short_prompts,
+    store_traces,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -291,10 +301,51 @@ def test_a_new_base_model_bootstraps_from_the_old_models_prompts(make_loop: Call
 
 def test_no_bootstrap_when_the_policy_says_no_or_a_champion_exists(make_loop: Callable[..., Loop], consent_id: str,
                                                                    tmp_path: Path) -> None:
-    loop = make_loop(FAST_POLICY.replace("data: {min_traces: 10}",
-                                         "data: {min_traces: 10, bootstrap_from_other_models: false}"))
+    loop = make_loop(FAST_POLICY.replace("data: {min_traces: 10,",
+                                         "data: {min_traces: 10, bootstrap_from_other_models: false,"))
     store_traces(loop.settings.traces_root, loop.target, consent_id, 48, base_model=OLD_MODEL)
     assert run(loop)[1] is RunOutcome.SKIPPED
     with_champion = make_loop()
     seed_champion(with_champion, tmp_path)
     assert run(with_champion)[1] is RunOutcome.SKIPPED
+
+
+QUANTIZED = "0a0a0a0a0a0a0a0a"  # as an NVFP4 variant of the tiny model: another fingerprint, the same shape
+
+
+def test_a_first_drafter_answers_the_shipped_prompts_and_starts_from_the_source_models_champion(
+        make_loop: Callable[..., Loop], deep_loaded: LoadedModel, tmp_path: Path) -> None:
+    variant = replace(deep_loaded, fingerprint=QUANTIZED, source_fingerprint=deep_loaded.fingerprint)
+    loop = make_loop(first_drafter_policy(short_prompts(tmp_path / "prompts.jsonl")), target=variant)
+    seed_champion(loop, tmp_path, base_model=deep_loaded.fingerprint)  # no traces of any model are stored
+    run_id, outcome = run(loop)
+    record = loop.runs.runs()[-1]
+    assert outcome is RunOutcome.PROMOTED, record.detail  # any challenger beats "no drafter" under this gate
+    (v,) = loop.registry.versions(QUANTIZED)
+    assert v.tags[Tag.BOOTSTRAP_FROM] == "shipped-prompts"
+    assert v.tags[Tag.WARM_START_FROM] == f"{deep_loaded.fingerprint} v1"
+    assert "over suffix decoding alone" in v.tags[Tag.GATE_REASON]
+    # The lineage names the other base model's drafter, for erasure to follow; the prompts answered are kept.
+    assert read_lineage(loop.settings.work_dir / run_id) == Lineage(run_id, QUANTIZED, "1", "shipped-prompts", "1",
+                                                                    deep_loaded.fingerprint)
+    assert (loop.settings.work_dir / run_id / "shipped-prompts" / "prompts.jsonl").is_file()
+    (dataset,) = loop.registry._client.get_run(v.run_id).inputs.dataset_inputs
+    assert dataset.dataset.name == "shipped-prompts"
+    assert {t.key: t.value for t in dataset.tags}["train_rows"] == "12"  # 16 prompts, a quarter held out
+    assert loop.registry.versions(deep_loaded.fingerprint)[0].tags.get(Tag.GATE) is None  # the parent is untouched
+
+
+def test_a_first_drafter_is_new_when_no_other_drafter_fits_or_exists(make_loop: Callable[..., Loop],
+                                                                     tmp_path: Path) -> None:
+    loop = make_loop(first_drafter_policy(short_prompts(tmp_path / "prompts.jsonl")))
+    run_id, outcome = run(loop)
+    assert outcome is RunOutcome.PROMOTED, loop.runs.runs()[-1].detail
+    (v,) = loop.registry.versions(loop.base_model)
+    assert Tag.WARM_START_FROM not in v.tags and v.tags[Tag.BOOTSTRAP_FROM] == "shipped-prompts"
+    assert read_lineage(loop.settings.work_dir / run_id).warm_start_from is None
+
+
+def test_too_few_shipped_prompts_for_the_policy_skip_the_run(make_loop: Callable[..., Loop], tmp_path: Path) -> None:
+    loop = make_loop(first_drafter_policy(short_prompts(tmp_path / "prompts.jsonl"), count=8))  # 6 to train, 10 needed
+    _, outcome = run(loop)
+    assert outcome is RunOutcome.SKIPPED and loop.registry.versions(loop.base_model) == []

@@ -15,9 +15,10 @@ from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from specloop.daemon.retrain.http import daemon_app
 from specloop.daemon.retrain.run import Loop
 from specloop.daemon.retrain.run_log import RunOutcome
-from specloop.daemon.retrain.service import RetrainDaemon
+from specloop.daemon.retrain.service import RETRY_TICK_S, RetrainDaemon, scheduled_tick
 from specloop.daemon.retrain.status import next_tick, tick_job_id
-from tests.daemon.retrain.conftest import FAST_POLICY, seed_champion, store_traces
+from specloop.storage.registry import DrafterRegistry
+from tests.daemon.retrain.conftest import FAST_POLICY, first_drafter_policy, seed_champion, short_prompts, store_traces
 from tests.server_thread import serve_in_thread
 
 pytestmark = pytest.mark.timeout(300)
@@ -29,10 +30,11 @@ def daemon_of(loop: Loop) -> RetrainDaemon:
     return RetrainDaemon(loop.settings.model_copy(update={"watch_s": 0.5}), loop.policy, loop.target, loop.registry)
 
 
-def wait_for(check: Callable[[], object], timeout: float = 120.0) -> object:
+def wait_for(check: Callable[[], object], timeout: float = 120.0, why: Callable[[], str] = lambda: "timed out"
+             ) -> object:
     deadline = time.monotonic() + timeout
     while not (value := check()):
-        assert time.monotonic() < deadline, "timed out"
+        assert time.monotonic() < deadline, why()
         time.sleep(0.2)
     return value
 
@@ -67,6 +69,31 @@ def test_the_tick_job_survives_a_restart_and_a_missed_tick_runs_once(make_loop: 
         restarted.shutdown()
 
 
+def test_a_base_model_without_a_drafter_gets_its_first_from_the_first_start(make_loop: Callable[..., Loop],
+                                                                             tmp_path: Path) -> None:
+    # Hourly ticks, no traces of any model, nothing registered: the first tick comes at once.
+    policy = first_drafter_policy(short_prompts(tmp_path / "prompts.jsonl")).replace(
+        "schedule: {interval_minutes: 1}", "schedule: {interval_minutes: 60}")
+    loop = make_loop(policy)
+    daemon = daemon_of(loop)
+    daemon.start()
+    try:
+        report = wait_for(lambda: daemon.last_tick)
+        assert report.decision.reason == "no drafter registered for this base model: training its first"
+        (run,) = loop.runs.runs()
+        assert run.outcome is RunOutcome.PROMOTED, run.detail
+        assert loop.registry.champion(loop.base_model).version == "1"
+        assert daemon.next_tick() > datetime.now(UTC) + timedelta(minutes=58)  # then back on the schedule
+    finally:
+        daemon.shutdown()
+    restarted = daemon_of(make_loop(policy))  # a drafter is registered now: no early tick
+    restarted.start()
+    try:
+        assert restarted.next_tick() > datetime.now(UTC) + timedelta(minutes=58)
+    finally:
+        restarted.shutdown()
+
+
 def test_shutdown_during_a_scheduled_run_abandons_it_and_returns(make_loop: Callable[..., Loop],
                                                                   consent_id: str) -> None:
     # A run that would train for minutes; the tick job is made due now, so the scheduler runs it.
@@ -75,7 +102,7 @@ def test_shutdown_during_a_scheduled_run_abandons_it_and_returns(make_loop: Call
     daemon = daemon_of(loop)
     daemon.start()
     daemon.scheduler.modify_job(tick_job_id(loop.base_model), next_run_time=datetime.now(UTC))
-    wait_for(lambda: daemon.current_run)
+    wait_for(lambda: daemon.current_run, why=lambda: f"no run started; the last tick: {daemon.last_tick}")
     stopping = threading.Thread(target=daemon.shutdown, daemon=True)
     stopping.start()
     stopping.join(60)
@@ -91,6 +118,16 @@ def test_a_tick_without_a_trigger_does_not_run(make_loop: Callable[..., Loop], c
     report = daemon_of(loop).tick()
     assert not report.decision.train and "40 new consented traces of 1000 needed" in report.decision.reason
     assert loop.runs.runs() == []
+
+
+def test_a_tick_that_finds_mlflow_down_looks_again_within_a_minute(make_loop: Callable[..., Loop]) -> None:
+    dead = DrafterRegistry("http://127.0.0.1:9", timeout_s=1)  # nothing listens on the discard port
+    daemon = daemon_of(make_loop(HOURLY, registry=dead))
+    report = daemon.tick()
+    assert not report.decision.train and report.decision.reason.startswith("MLflow unavailable")
+    again = daemon.scheduler.get_job(f"{tick_job_id(daemon.base_model)}-retry")
+    assert again is not None and again.func is scheduled_tick  # the hourly schedule's next tick is not the next look
+    assert timedelta(seconds=50) < again.trigger.run_date - report.at < timedelta(seconds=RETRY_TICK_S + 10)
 
 
 def test_traces_counted_by_a_run_do_not_trigger_the_next(make_loop: Callable[..., Loop], consent_id: str) -> None:

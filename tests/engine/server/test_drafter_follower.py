@@ -7,6 +7,7 @@ whatever raises it, ends the follower's thread."""
 import asyncio
 import hashlib
 import json
+import logging
 import resource
 import shutil
 import threading
@@ -96,11 +97,17 @@ def champion_of(registry: DrafterRegistry, fingerprint: str, path: Path) -> str:
 
 
 def test_a_champion_is_swapped_in_and_then_left_alone(registry: DrafterRegistry, target, tmp_path: Path,
-                                                          running: list[LLMEngine]) -> None:
+                                                          running: list[LLMEngine],
+                                                          caplog: pytest.LogCaptureFixture) -> None:
     fingerprint = "1111111111111111"
     swaps = Swaps()
     f = follower(registry, target, tmp_path, fingerprint, swaps, running)
-    assert f.check().result == "no_champion" and f.engine.drafter_version is None
+    with caplog.at_level(logging.WARNING, logger="specloop.engine.server.drafter_follower"):
+        assert f.check().result == "no_champion" and f.engine.drafter_version is None
+        assert f.check().result == "no_champion"
+    # Said once, not at every poll: what drafts until the daemon registers a drafter.
+    said = [r.getMessage() for r in caplog.records if "lookup proposers draft alone" in r.getMessage()]
+    assert len(said) == 1 and fingerprint in said[0]
     label = champion_of(registry, fingerprint, artifact(tmp_path / "a", target, fingerprint))
 
     result = f.check()
