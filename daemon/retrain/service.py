@@ -123,8 +123,8 @@ class RetrainDaemon:
             return
         try:
             due = first_drafter_due(self.policy, self.situation(datetime.now(UTC)))
-        except RegistryUnavailable as e:
-            log.warning("MLflow unavailable at start (%s): the schedule's ticks look again", e)
+        except Exception as e:  # MLflow down, an unreadable trace file: the daemon starts all the same
+            log.warning("no early first tick (%s: %s); the schedule's ticks look again", type(e).__name__, e)
             return
         if due:
             log.info("no drafter registered for %s: its first tick runs now to train one", self.base_model)
