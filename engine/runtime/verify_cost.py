@@ -11,8 +11,8 @@ keeps the j draft columns that maximize
     (B + Σ_rows Σ_{i<j} p[row, i]) / cost(B · (j + 1))
 
 where p[row, i] is the proposer's estimate that the row's draft i is accepted (and all before it),
-and `cost` is this machine's measured pass time (`VerifyCost`, measured once per engine on a small
-cache of its own). Proposers without estimates count every draft as certain: the width is then the
+and `cost` is this machine's measured pass time (`LLMEngine.verify_cost`, measured per engine on a
+small cache of its own, again while the fit says a position costs nothing). Proposers without estimates count every draft as certain: the width is then the
 longest draft. On the CPU a pass stays within the fused kernel's rows (`exact_num_drafts`), so that
 greedy outputs equal plain decoding's whatever the batch.
 
