@@ -85,7 +85,7 @@ def shipped_answers(target: LoadedModel, count: int, eval_fraction: float,
     if count < 2:
         raise ValueError(f"count must be at least 2 (one to train on, one held out), got {count}")
     tok = target.tokenizer
-    ids = [tok.encode(tok.apply_chat_template(list(p.messages))) for p in read_prompts(prompts)[:count]]
+    ids = [tok.encode(tok.apply_chat_template(list(p.messages))) for p in read_prompts(prompts, count)]
     log.info("first drafter: %s answers %d shipped prompts", target.fingerprint, len(ids))
     answered = _generate(target, [(p, MAX_NEW_TOKENS) for p in ids])
     cut = len(answered) - held_out(len(answered), eval_fraction)

@@ -24,7 +24,7 @@ Not here: the HTTP endpoints (`daemon/retrain/http.py`), a run's steps (`run.py`
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 
 from apscheduler.executors.pool import ThreadPoolExecutor
@@ -122,7 +122,7 @@ class RetrainDaemon:
         if not self.policy.triggers.first_drafter:
             return
         try:
-            due = first_drafter_due(self.policy, self.situation(datetime.now(UTC)))
+            due = first_drafter_due(self.policy, self._registry_situation(datetime.now(UTC)))  # no trace scan
         except Exception as e:  # MLflow down, an unreadable trace file: the daemon starts all the same
             log.warning("no early first tick (%s: %s); the schedule's ticks look again", type(e).__name__, e)
             return
@@ -178,15 +178,22 @@ class RetrainDaemon:
                                replace_existing=True)
 
     def situation(self, now: datetime) -> Situation:
-        loop = self.loop
-        last = loop.runs.last_trained(self.base_model)
+        return replace(self._registry_situation(now), new_traces=self._new_traces(now))
+
+    def _new_traces(self, now: datetime) -> int:
+        """Consented traces of the base model newer than the last trained run's data: a scan of the trace store."""
+        last = self.loop.runs.last_trained(self.base_model)
         consent = ConsentRegistry(self.settings.consent_db)
         try:
             snapshot = consent.snapshot(self.policy.data.purpose)
         finally:
             consent.close()
-        new = count_consented(self.settings.traces_root, snapshot, base_model=self.base_model,
-                              since=None if last is None else last.data_until, as_of=now)
+        return count_consented(self.settings.traces_root, snapshot, base_model=self.base_model,
+                               since=None if last is None else last.data_until, as_of=now)
+
+    def _registry_situation(self, now: datetime) -> Situation:
+        """The situation but the trace count (0 here): all that a first drafter's decision reads."""
+        loop = self.loop
         champion = loop.registry.champion(self.base_model)
         promoted = loop.history.last(self.base_model, Action.PROMOTED, Action.ROLLED_BACK)
         champion_since = None
@@ -201,7 +208,7 @@ class RetrainDaemon:
             registered = len(loop.registry.versions(self.base_model))
             ended = max((r.finished_at for r in loop.runs.runs(self.base_model, limit=5) if r.finished_at),
                         default=None)
-        return Situation(now, new, champion_since, live_tau, None if promoted is None else promoted.at,
+        return Situation(now, 0, champion_since, live_tau, None if promoted is None else promoted.at,
                          registered, ended)
 
     def _run_under_lease(self, why: str) -> str | None:

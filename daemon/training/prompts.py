@@ -150,11 +150,14 @@ def sample_evals_prompts(data: Path, per_task: int, seed: int = 0, tasks: list[s
     return out
 
 
-def read_prompts(path: Path) -> list[Prompt]:
-    """Chat prompts from a JSONL file of `{"messages": [{"role", "content"}, ...]}` records."""
-    out = []
+def read_prompts(path: Path, limit: int | None = None) -> list[Prompt]:
+    """Chat prompts from a JSONL file of `{"messages": [{"role", "content"}, ...]}` records; with
+    `limit`, the first `limit` only, the rest of the file unread."""
+    out: list[Prompt] = []
     with Path(path).open() as f:
         for i, line in enumerate(f, 1):
+            if limit is not None and len(out) == limit:
+                break
             try:
                 msgs = _messages({"input": json.loads(line).get("messages")})
             except (json.JSONDecodeError, AttributeError) as e:
