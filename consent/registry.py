@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 import sqlite3
 import threading
+import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -130,6 +131,24 @@ def migrate(conn: sqlite3.Connection, target: int = len(MIGRATIONS)) -> int:
         conn.execute("COMMIT")
 
 
+_WAL_SWITCH_S = 5.0
+
+
+def _use_wal(conn: sqlite3.Connection) -> None:
+    """WAL mode (kept in the file once set). Two processes opening a new file at once (engine
+    replicas starting together) found the switch "database is locked" at once, the busy timeout not
+    applying to it, so it is tried again for a few seconds."""
+    deadline = time.monotonic() + _WAL_SWITCH_S
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 class ConsentRegistry:
     """Grant, revoke, look up and snapshot consent records in one SQLite file. Thread-safe."""
 
@@ -141,7 +160,7 @@ class ConsentRegistry:
         # upgrade a read lock and deadlock against another process.
         self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._conn.execute("PRAGMA busy_timeout = 5000")
-        self._conn.execute("PRAGMA journal_mode = WAL")
+        _use_wal(self._conn)
         # FULL: a revocation acknowledged to an admin must survive a power cut.
         self._conn.execute("PRAGMA synchronous = FULL")
         with self._lock:

@@ -16,6 +16,7 @@ import typer
 
 from specloop.consent import cli as consent_cli
 from specloop.daemon import stack
+from specloop.daemon.fleet import cli as fleet_cli
 from specloop.daemon.retrain import cli as retrain_cli
 from specloop.daemon.traffic import sender
 from specloop.daemon.training import build_dataset, generate
@@ -41,8 +42,8 @@ def _erase_traces(root: Path, tenant: str, subject: str, work_dir: Path) -> "Era
     return erase_subject(root, tenant, subject, work_dir)
 
 
-for module in (engine_cli, loaders_cli, generate, training_cli, build_dataset, storage_cli, stack, retrain_cli,
-               sender):
+for module in (engine_cli, loaders_cli, generate, training_cli, build_dataset, storage_cli, stack, fleet_cli,
+               retrain_cli, sender):
     module.register(app)
 consent_cli.register(app, _erase_traces)
 
@@ -55,8 +56,9 @@ def _root(log_level: Annotated[LogLevel, typer.Option(envvar="SPECLOOP_LOG_LEVEL
 
 # Libraries that log routine work at INFO: kafka-python a dozen lines per producer (re)connect, httpx
 # every request (the demo's traffic and the daemon's scrapes), APScheduler every job it runs (the
-# daemon's watch, every 15 s). They stay at WARNING unless the level is `debug`.
-_CHATTY = ("kafka", "httpx", "apscheduler")
+# daemon's watch, every 15 s), pgserver each pg_ctl call with its whole output (`specloop fleet`).
+# They stay at WARNING unless the level is `debug`.
+_CHATTY = ("kafka", "httpx", "apscheduler", "pgserver")
 
 
 def configure_logging(level: LogLevel) -> None:

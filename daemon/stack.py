@@ -158,11 +158,16 @@ def _demo_tenant(data_dir: Path) -> str:
     made the server's tenants file; the demo tenant's fresh API key."""
     key = secrets.token_urlsafe(24)
     path = data_dir / "demo" / "tenants.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(_DEMO_TENANTS.format(key=key))
+    write_demo_tenants(path, key)
     os.environ["SPECLOOP_TENANTS_FILE"] = str(path)
     log.info("demo: tenant %r captures consented traffic (tenants file %s)", DEMO_TENANT, path)
     return key
+
+
+def write_demo_tenants(path: Path, key: str) -> None:
+    """The demo tenant, whose requests with `key` are consented and captured; anyone else anonymous."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(_DEMO_TENANTS.format(key=key))
 
 
 def _start_mlflow_ui(stack: ExitStack, registry: str, port: int, logs: Path) -> None:
@@ -252,7 +257,7 @@ def _start_broker(stack: ExitStack, durable: bool, port: int, topic: str, logs: 
     from specloop.storage.broker import EmbeddedBroker, LocalS3, ensure_topics
 
     logs.mkdir(parents=True, exist_ok=True)
-    with _sigint_blocked():
+    with sigint_blocked():
         s3 = stack.enter_context(LocalS3(log=_log_file(stack, logs / "moto.log"))) if durable else None
         broker = stack.enter_context(EmbeddedBroker(s3=s3, port=port, log=_log_file(stack, logs / "tansu.log")))
     ensure_topics(broker.bootstrap_servers, {topic: TRACE_PARTITIONS, DEAD_LETTER_TOPIC: 1})
@@ -260,7 +265,7 @@ def _start_broker(stack: ExitStack, durable: bool, port: int, topic: str, logs: 
 
 
 @contextmanager
-def _sigint_blocked() -> Iterator[None]:
+def sigint_blocked() -> Iterator[None]:
     """Processes started inside inherit a blocked SIGINT; this process's mask is restored after."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
@@ -285,19 +290,20 @@ def _start_sink(stack: ExitStack, bootstrap: str, topic: str, root: Path) -> Non
     sink = subprocess.Popen(command, start_new_session=True, preexec_fn=die_with_parent())
     stack.callback(_stop_sink, sink)
     log.info("sink (pid %d) writing Parquet under %s", sink.pid, root)
-    _wait_for_group(bootstrap, sink)
+    wait_for_group(bootstrap, [sink])
 
 
-def _wait_for_group(bootstrap: str, sink: subprocess.Popen) -> None:
+def wait_for_group(bootstrap: str, sinks: list[subprocess.Popen]) -> None:
+    """Until the sinks' consumer group is stable; raises if a sink exits first."""
     from confluent_kafka import ConsumerGroupState
     from confluent_kafka.admin import AdminClient
 
-    # tansu describes the group's state but lists no members, so STABLE is the signal: the only
-    # member, the sink, has joined and been given the partitions.
+    # tansu describes the group's state but lists no members, so STABLE is the signal: the members
+    # that joined have been given the partitions (with several sinks, all that joined by then).
     admin = AdminClient({"bootstrap.servers": bootstrap})
     deadline = time.monotonic() + _SINK_READY_S
     while admin.describe_consumer_groups([SINK_GROUP])[SINK_GROUP].result(5).state != ConsumerGroupState.STABLE:
-        if sink.poll() is not None:
+        if (sink := next((s for s in sinks if s.poll() is not None), None)) is not None:
             raise RuntimeError(f"the sink exited with status {sink.returncode} before joining its group")
         if time.monotonic() > deadline:
             raise TimeoutError(f"the sink did not join consumer group {SINK_GROUP} within {_SINK_READY_S} s")

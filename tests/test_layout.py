@@ -36,7 +36,7 @@ MAY_IMPORT = {
 # top-level modules (`daemon/cli.py`, `daemon/stack.py`) are outside this order; the cycle test covers them.
 SUBFOLDER_ORDER = {
     "engine": ("model", "cpu", "loaders", "speculation", "runtime", "server"),
-    "daemon": ("evaluation", "training", "traffic", "retrain"),
+    "daemon": ("evaluation", "training", "traffic", "retrain", "fleet"),
 }
 PY_REFERENCE = re.compile(r"`([\w./-]+\.py)(?::[\w.]+)?`")
 

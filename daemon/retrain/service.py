@@ -9,7 +9,9 @@ It loads the target once, then runs two jobs on an APScheduler 3.x `BackgroundSc
   one fires, runs under the base model's lease (`lease.py`): two daemons never train for the same
   base model at once, on one machine or many sharing a state database;
 - the watch, every `watch_s` seconds (in memory: it has nothing to catch up on): live τ from the
-  engines, approvals, rollbacks (`watch.py`).
+  engines, approvals, rollbacks (`watch.py`), and beside it housekeeping (erasure follow-up,
+  retention). Where several daemons share the state database (`specloop fleet`), one of them at a
+  time does both, under a second lease (`watch:<base model>`); the others only tick.
 
 At start it finishes what a killed daemon left (`run.resume_promotion`), and when the base model has
 no drafter registered at all it brings the first tick forward to now (`triggers.first_drafter_due`).
@@ -29,7 +31,6 @@ from datetime import UTC, datetime, timedelta
 
 from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.jobstores.memory import MemoryJobStore
-from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.base import BaseTrigger
 from apscheduler.triggers.cron import CronTrigger
@@ -39,6 +40,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 from specloop.consent.registry import ConsentRegistry
 from specloop.daemon.retrain.erasures import ErasureFollowUp
 from specloop.daemon.retrain.history import Action, PromotionHistory
+from specloop.daemon.retrain.job_store import StateJobStore
 from specloop.daemon.retrain.lease import Lease, LeaseHeld, daemon_identity
 from specloop.daemon.retrain.live_tau import LiveTau
 from specloop.daemon.retrain.metrics import DaemonMetrics
@@ -87,12 +89,19 @@ class RetrainDaemon:
                                    settings.run_retention_days, settings.live_tau_retention_days)
         self.metrics = DaemonMetrics()
         self.owner = daemon_identity()
+        # Daemons of one base model on one state database (a fleet) all tick, and the training lease
+        # keeps their runs apart; the watch (live τ, rollbacks, erasure policy) and housekeeping are
+        # one daemon's duty at a time too, or two would record every sample and make every rollback.
+        self._duty = Lease(self.db, f"watch:{self.base_model}", self.owner,
+                           max(settings.lease_ttl_s, _DUTY_INTERVALS * settings.watch_s))
+        self._on_duty: bool | None = None
+        self._mlflow_away: set[str] = set()  # the jobs that found MLflow unavailable at their last run
         self.stop = threading.Event()
         self._ticking = threading.Lock()  # held by a tick, so that shutdown() can wait for it
         self.current_run: str | None = None
         self.last_tick: TickReport | None = None
         self.scheduler = BackgroundScheduler(
-            jobstores={"default": SQLAlchemyJobStore(engine=self.db), "memory": MemoryJobStore()},
+            jobstores={"default": StateJobStore(engine=self.db), "memory": MemoryJobStore()},
             executors={"default": ThreadPoolExecutor(1), "watch": ThreadPoolExecutor(1),
                        "housekeeping": ThreadPoolExecutor(1)},
             job_defaults={"coalesce": True, "max_instances": 1}, timezone=UTC)
@@ -131,7 +140,8 @@ class RetrainDaemon:
             self.scheduler.modify_job(tick_job_id(self.base_model), next_run_time=datetime.now(UTC))
 
     def shutdown(self) -> None:
-        """Stop: a run in progress is abandoned at its next check, and waited for."""
+        """Stop: a run in progress is abandoned at its next check, and waited for; the watch is
+        handed over to another daemon at its next interval."""
         self.stop.set()
         # Wait for the tick here, not in the scheduler: APScheduler 3's shutdown(wait=True) holds the
         # job-store lock while it waits for running jobs, and a tick ends by reading its next run
@@ -140,6 +150,8 @@ class RetrainDaemon:
             pass
         if self.scheduler.running:
             self.scheduler.shutdown(wait=True)
+        if self._on_duty:  # after the scheduler, so that no watch takes it again
+            _survive("watch hand-over", self._duty.release)
         _DAEMONS.pop(self.base_model, None)
 
     def next_tick(self) -> datetime | None:
@@ -262,12 +274,31 @@ class RetrainDaemon:
             log.warning("not resuming unfinished runs now (MLflow unavailable: %s); the next start will", e)
 
     def _watch(self) -> None:
-        _survive("watch", self.watch)
-        _survive("erasure policy", self.erasures.act)  # moves aliases: on this thread, as rollbacks do
+        if not self._has_duty():
+            return
+        _survive("watch", self.watch, self._mlflow_away)
+        # The erasure policy moves aliases: on this thread, as rollbacks do.
+        _survive("erasure policy", self.erasures.act, self._mlflow_away)
 
     def _housekeeping(self) -> None:
-        _survive("erasure follow-up", self.erasures.apply_journal)
-        _survive("retention", lambda: self.retention(self.current_run))
+        if not self._has_duty():
+            return
+        _survive("erasure follow-up", self.erasures.apply_journal, self._mlflow_away)
+        _survive("retention", lambda: self.retention(self.current_run), self._mlflow_away)
+
+    def _has_duty(self) -> bool:
+        """Whether this daemon watches now: it holds, or has just taken, the base model's watch lease
+        (another daemon's lapses `_DUTY_INTERVALS` watch intervals after it stops renewing)."""
+        try:
+            on = self._duty.try_acquire()
+        except Exception as e:  # the state database is away: nothing the watch does could run
+            log.warning("watch: the state database is unavailable (%s: %s)", type(e).__name__, e)
+            return False
+        if on != self._on_duty:
+            log.info("watch: %s", "this daemon watches live τ, rollbacks and erasures" if on else
+                     "another daemon of this base model watches; this one only ticks")
+            self._on_duty = on
+        return on
 
     def _schedule_tick(self) -> None:
         """Keep the stored job (and its next run time, which may be overdue: a misfire) unless the
@@ -288,14 +319,26 @@ class RetrainDaemon:
             self.metrics.next_run.set(due.timestamp())
 
 
-def _survive(what: str, job: Callable[[], object]) -> None:
-    """Run `job`; a failure is logged and the next interval tries again."""
+_DUTY_INTERVALS = 4  # the watch lease's TTL in watch intervals (at least the training lease's TTL)
+
+
+def _survive(what: str, job: Callable[[], object], mlflow_away: set[str] | None = None) -> None:
+    """Run `job`; a failure is logged and the next interval tries again. With `mlflow_away` (the jobs
+    that found MLflow unavailable last time), its absence is said once when it starts and once when
+    it ends, not at every watch interval."""
     try:
         job()
     except RegistryUnavailable as e:
-        log.warning("%s: MLflow unavailable: %s", what, e)
+        if mlflow_away is None or what not in mlflow_away:
+            log.warning("%s: MLflow unavailable: %s", what, e)
+        if mlflow_away is not None:
+            mlflow_away.add(what)
+        return
     except Exception:
         log.exception("%s failed", what)
+    if mlflow_away is not None and what in mlflow_away:
+        mlflow_away.discard(what)
+        log.info("%s: MLflow answers again", what)
 
 
 def schedule_trigger(schedule: Schedule) -> BaseTrigger:

@@ -10,11 +10,12 @@ the other holds for a moment.
 Not here: what any table holds (lease.py, run_log.py, history.py, live_tau.py), MLflow's own database.
 """
 
+from collections.abc import Callable
 from pathlib import Path
 
 from sqlalchemy import Column, Engine, MetaData, Row, Table, create_engine, event, select
 from sqlalchemy.engine.url import make_url
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
 _BUSY_TIMEOUT_MS = 10_000
 
@@ -42,12 +43,19 @@ def _sqlite_pragmas(connection, _record) -> None:
 def create_tables(metadata: MetaData, db: Engine) -> None:
     """`metadata`'s tables, created when missing. Two processes (or threads) opening a new database
     at once both see a table missing and both create it; the loser's "already exists" is success."""
+    created_at_once(lambda: metadata.create_all(db))
+
+
+def created_at_once(create: Callable[[], None]) -> None:
+    """Run `create` (a CREATE TABLE when missing), and once more if another process created the
+    same table in between: SQLite says so as an OperationalError; Postgres as a unique violation on
+    its catalog (two daemons of `specloop fleet` starting together) or a duplicate table."""
     try:
-        metadata.create_all(db)
-    except OperationalError as e:
+        create()
+    except (OperationalError, IntegrityError, ProgrammingError) as e:
         if "already exists" not in str(e):
             raise
-        metadata.create_all(db)  # the other creator may have made only some of the tables
+        create()  # the other creator may have made only some of the tables
 
 
 def newest(db: Engine, table: Table, order: Column, base_model: str | None, limit: int | None) -> list[Row]:

@@ -86,6 +86,8 @@ class Watch:
         event = self.history.last(self.base_model, Action.PROMOTED, Action.ROLLED_BACK)
         if event is None or event.action is not Action.PROMOTED or event.previous is None or event == self.judged:
             return None
+        if event.at > now:  # another daemon of a fleet promoted since `now` was read: judged next time
+            return None
         if event.version in self.canary_failed:
             reason = f"canary failed on {self.canary_failed[event.version]}"
             promotion.roll_back(self.registry, self.history, self.base_model, event.version.removeprefix("v"),

@@ -1,5 +1,6 @@
 """The SQLite consent registry: migrations, grant/revoke/expire, lookups, snapshot, threads."""
 
+import multiprocessing
 import sqlite3
 import threading
 from datetime import UTC, datetime, timedelta
@@ -137,3 +138,24 @@ def test_concurrent_threads_and_second_process_view(registry: ConsentRegistry) -
     other.revoke("acme", subjects[0], at=T0 + timedelta(seconds=1))
     other.close()
     assert registry.active("acme", subjects[0], PURPOSE, T0 + timedelta(seconds=2)) is None
+
+
+def _open_at_once(path: Path, barrier: "multiprocessing.synchronize.Barrier") -> None:
+    barrier.wait()
+    ConsentRegistry(path).close()
+
+
+def test_processes_opening_a_new_file_at_once_all_succeed(tmp_path: Path) -> None:
+    """Engine replicas start together on one consent volume: the first start of `specloop fleet`
+    failed one of two with "database is locked" on the switch to WAL (1 process in 80 here without
+    the retry, 4 at a time over 20 new files)."""
+    context = multiprocessing.get_context("fork")
+    for attempt in range(20):
+        barrier = context.Barrier(4)
+        processes = [context.Process(target=_open_at_once, args=(tmp_path / f"{attempt}.db", barrier))
+                     for _ in range(4)]
+        for p in processes:
+            p.start()
+        for p in processes:
+            p.join(30)
+        assert [p.exitcode for p in processes] == [0] * 4, attempt

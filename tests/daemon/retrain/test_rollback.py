@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from specloop.daemon.retrain.history import Action, PromotionHistory
 from specloop.daemon.retrain.live_tau import EngineSample, LiveTau, VersionCounters
 from specloop.daemon.retrain.rollback import Promotion, RolloutDecision, RolloutVerdict, judge_rollout
 from specloop.daemon.retrain.state_db import open_state
+from specloop.daemon.retrain.watch import Watch
 
 PROMOTED_AT = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
 ENGINE = "http://engine-1:8000"
@@ -143,3 +145,13 @@ def test_bad_arguments_are_value_errors(traffic: Traffic) -> None:
         Promotion("v4", "v4", PROMOTED_AT)
     with pytest.raises(ValueError, match="before the promotion"):
         judge(traffic, -1)
+
+
+def test_a_promotion_newer_than_the_watch_is_judged_next_time(traffic: Traffic) -> None:
+    """In a fleet another daemon may promote between the moment a watch reads the clock and the moment
+    it reads the history (seen: 0.86 s); that promotion waits for the next watch instead of failing it."""
+    history = PromotionHistory(traffic.live.db)
+    history.record("fp", Action.PROMOTED, "v4", "test", previous="v3", at=minutes(0))
+    watch = Watch("fp", None, history, traffic.live, ROLLOUT, [])  # the registry is not reached
+    assert watch.judge(minutes(-0.01)) is None
+    assert watch.judge(minutes(1)).verdict is RolloutVerdict.WATCH

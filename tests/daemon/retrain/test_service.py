@@ -15,9 +15,9 @@ from apscheduler.jobstores.sqlalchemy import SQLAlchemyJobStore
 from specloop.daemon.retrain.http import daemon_app
 from specloop.daemon.retrain.run import Loop
 from specloop.daemon.retrain.run_log import RunOutcome
-from specloop.daemon.retrain.service import RETRY_TICK_S, RetrainDaemon, scheduled_tick
+from specloop.daemon.retrain.service import RETRY_TICK_S, RetrainDaemon, _survive, scheduled_tick
 from specloop.daemon.retrain.status import next_tick, tick_job_id
-from specloop.storage.registry import DrafterRegistry
+from specloop.storage.registry import DrafterRegistry, RegistryUnavailable
 from tests.daemon.retrain.conftest import FAST_POLICY, first_drafter_policy, seed_champion, short_prompts, store_traces
 from tests.server_thread import serve_in_thread
 
@@ -157,3 +157,28 @@ def test_health_metrics_and_status_over_http(make_loop: Callable[..., Loop], con
         assert status["champion"]["version"] == "v2" and status["last_runs"][0]["outcome"] == "promoted"
         assert status["history"][0]["action"] == "promoted"
     assert not daemon.scheduler.running  # the lifespan shut it down
+
+
+def test_two_daemons_on_one_state_database_watch_one_at_a_time(make_loop: Callable[..., Loop]) -> None:
+    """A fleet's daemons share the state database: one of them watches (live τ, rollbacks, erasures);
+    the other takes over when it stops."""
+    loop = make_loop(HOURLY)
+    first, second = daemon_of(loop), daemon_of(loop)
+    assert [first._has_duty(), second._has_duty(), first._has_duty()] == [True, False, True]
+    first.shutdown()
+    assert second._has_duty()
+    second.shutdown()
+
+
+def test_mlflow_away_is_said_once_and_its_return_once(caplog: pytest.LogCaptureFixture) -> None:
+    away: set[str] = set()
+
+    def down() -> None:
+        raise RegistryUnavailable("MLflow at http://mlflow:5000: connection refused")
+
+    with caplog.at_level("INFO", logger="specloop.daemon.retrain.service"):
+        for job in (down, down, down, lambda: None, lambda: None, down):
+            _survive("watch", job, away)
+    said = [r.getMessage() for r in caplog.records]
+    assert [m.split(":")[1].strip() for m in said] == ["MLflow unavailable", "MLflow answers again",
+                                                        "MLflow unavailable"]
