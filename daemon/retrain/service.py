@@ -95,6 +95,7 @@ class RetrainDaemon:
         self._duty = Lease(self.db, f"watch:{self.base_model}", self.owner,
                            max(settings.lease_ttl_s, _DUTY_INTERVALS * settings.watch_s))
         self._on_duty: bool | None = None
+        self._duty_lock = threading.Lock()  # the watch's and housekeeping's threads both ask
         self._mlflow_away: set[str] = set()  # the jobs that found MLflow unavailable at their last run
         self.stop = threading.Event()
         self._ticking = threading.Lock()  # held by a tick, so that shutdown() can wait for it
@@ -289,16 +290,17 @@ class RetrainDaemon:
     def _has_duty(self) -> bool:
         """Whether this daemon watches now: it holds, or has just taken, the base model's watch lease
         (another daemon's lapses `_DUTY_INTERVALS` watch intervals after it stops renewing)."""
-        try:
-            on = self._duty.try_acquire()
-        except Exception as e:  # the state database is away: nothing the watch does could run
-            log.warning("watch: the state database is unavailable (%s: %s)", type(e).__name__, e)
-            return False
-        if on != self._on_duty:
-            log.info("watch: %s", "this daemon watches live τ, rollbacks and erasures" if on else
-                     "another daemon of this base model watches; this one only ticks")
-            self._on_duty = on
-        return on
+        with self._duty_lock:  # two threads taking a new lease at once: one's INSERT would fail
+            try:
+                on = self._duty.try_acquire()
+            except Exception as e:  # the state database is away: nothing the watch does could run
+                log.warning("watch: the state database is unavailable (%s: %s)", type(e).__name__, e)
+                return False
+            if on != self._on_duty:
+                log.info("watch: %s", "this daemon watches live τ, rollbacks and erasures" if on else
+                         "another daemon of this base model watches; this one only ticks")
+                self._on_duty = on
+            return on
 
     def _schedule_tick(self) -> None:
         """Keep the stored job (and its next run time, which may be overdue: a misfire) unless the
