@@ -50,8 +50,9 @@ def fleet(
     from specloop.daemon.fleet.topology import Fleet, FleetConfig
 
     try:
-        config = FleetConfig(root, engines, sinks, daemons, model, POLICIES / ("demo.yaml" if demo else "default.yaml"),
-                             port, daemon_port, mlflow_port)
+        config = FleetConfig(root, engines=engines, sinks=sinks, daemons=daemons, model=model,
+                             policy=POLICIES / ("demo.yaml" if demo else "default.yaml"), engine_port=port,
+                             daemon_port=daemon_port, mlflow_port=mlflow_port)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     if demo:  # a line per request would bury the daemons' progress; /metrics counts requests
