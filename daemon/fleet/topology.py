@@ -84,6 +84,11 @@ class FleetConfig:
         if self.sinks > TRACE_PARTITIONS:
             raise ValueError(f"sinks must be at most the trace topic's {TRACE_PARTITIONS} partitions, "
                              f"got {self.sinks} (a sink beyond them would hold none)")
+        for name in ("engine_port", "daemon_port", "mlflow_port"):
+            last = getattr(self, name) + (self.engines if name == "engine_port" else self.daemons) - 1
+            if not 0 <= getattr(self, name) or last > 65535:
+                raise ValueError(f"{name} must leave every process a port in 1-65535 (0: free ones), got "
+                                 f"{getattr(self, name)}")
         if not self.policy.is_file():
             raise ValueError(f"policy: no such file {self.policy}")
 
@@ -178,7 +183,7 @@ class Fleet:
         self._consent_secrets = load_or_create_secrets(self.root / "consent")  # before engines race to make them
         with sigint_blocked():  # Ctrl-C in a terminal reaches these two otherwise: they are not in their own session
             self.postgres.start()
-            self.broker = EmbeddedBroker(log=self._log_file("tansu")).start()
+            self.broker = EmbeddedBroker(log=self._log_file(self.root / "logs" / "tansu.log")).start()
         ensure_topics(self.broker.bootstrap_servers, {"traces": TRACE_PARTITIONS, DEAD_LETTER_TOPIC: 1})
         self._define_services()
         self.start("mlflow")
@@ -328,7 +333,7 @@ class Fleet:
         assert not service.running, f"{service.name} is already running"
         if service.cwd is not None:
             service.cwd.mkdir(parents=True, exist_ok=True)
-        output = self._log_file(service.name)
+        output = self._log_file(service.log)
         service.process = subprocess.Popen(service.command, env=service.env, cwd=service.cwd, stdout=output,
                                            stderr=subprocess.STDOUT, start_new_session=True,
                                            preexec_fn=die_with_parent())
@@ -345,8 +350,8 @@ class Fleet:
                                    f"{_tail(service.log)}")
             time.sleep(0.3)
 
-    def _log_file(self, name: str) -> IO[bytes]:
-        f = open(self.root / "logs" / f"{name}.log", "ab")
+    def _log_file(self, path: Path) -> IO[bytes]:
+        f = open(path, "ab")
         self._logs.append(f)
         return f
 

@@ -36,3 +36,8 @@ def test_options_become_the_configuration(monkeypatch: pytest.MonkeyPatch, tmp_p
 def test_more_sinks_than_partitions_is_refused(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["fleet", "--root", str(tmp_path), "--sinks", "4"])
     assert result.exit_code == 2 and "sinks must be at most" in result.output
+
+
+def test_a_port_past_the_last_is_refused(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["fleet", "--root", str(tmp_path), "--port", "65535", "--engines", "2"])
+    assert result.exit_code == 2 and "engine_port must leave every process a port" in result.output
