@@ -78,6 +78,15 @@ class ConsentSettings(BaseSettings):
         )
 
 
+    def existing_admin_token(self) -> str | None:
+        """The admin token engines check, without creating anything: `SPECLOOP_ADMIN_TOKEN`, else the
+        persisted secrets file's when one exists; None when neither does (no engine has started yet)."""
+        if self.admin_token is not None:
+            return self.admin_token.get_secret_value()
+        path = self.data_dir / SECRETS_FILE
+        return load_or_create_secrets(self.data_dir)["admin_token"] if path.exists() else None
+
+
 def check_secret(value: str) -> None:
     """Raise ValueError for a secret that is short or built around a placeholder word."""
     if len(value) < MIN_SECRET_CHARS:

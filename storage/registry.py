@@ -13,7 +13,8 @@ directory, and a production MLflow tracking server over http(s). Each registry h
 
 Not here: the gate (the daemon decides and records its decision in tags), validating an artifact
 beyond the fingerprint key of `drafter.json` (the engine loads and checks it before use), polling
-the alias or retrying (the engine's follower does, on `RegistryUnavailable`), and the promotion
+the alias or retrying (the engine's follower does, on `RegistryUnavailable`), telling engines of a
+change (the writer passes `on_serving_change`: daemon/retrain/engine_notice.py), and the promotion
 log (the registry keeps no alias history). storage imports nothing of ours, so an artifact is an
 opaque directory here and the base-model fingerprint is always an argument.
 """
@@ -25,8 +26,8 @@ import re
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -166,7 +167,8 @@ class DrafterRegistry:
     `timeout_s` without retrying, raising `RegistryUnavailable`.
     """
 
-    def __init__(self, tracking_uri: str, artifact_root: Path | str | None = None, timeout_s: int = 5) -> None:
+    def __init__(self, tracking_uri: str, artifact_root: Path | str | None = None, timeout_s: int = 5,
+                 on_serving_change: Callable[[str], None] | None = None) -> None:
         scheme = urlparse(tracking_uri).scheme
         if scheme not in ("sqlite", "http", "https"):
             raise ValueError(f"tracking_uri must be sqlite:///<file> or http(s)://<server>, got {tracking_uri!r}")
@@ -181,6 +183,9 @@ class DrafterRegistry:
             artifact_root = database.with_name("mlruns") if artifact_root is None else artifact_root
         self._artifact_root = None if artifact_root is None else Path(artifact_root)
         self._timeout_s = timeout_s
+        # Called with the base model after this registry moved or removed `champion`, or set a
+        # version's `benched` tag: what engines serve changed (the daemon tells them at once).
+        self.on_serving_change = on_serving_change
         self._client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
 
     def register(self, artifact_dir: Path, base_model: str, tags: Mapping[str, str] = _NO_TAGS,
@@ -241,11 +246,15 @@ class DrafterRegistry:
         name = registered_model_name(base_model)
         with self._existing_version(name, version):
             self._client.set_registered_model_alias(name, alias, version)
+        if alias == CHAMPION:
+            self._serving_changed(base_model)
 
     def delete_alias(self, base_model: str, alias: str) -> None:
         """Remove `alias`; nothing happens when it does not exist."""
         with self._tolerating(_NOT_FOUND):  # an unknown model; MLflow ignores an unknown alias itself
             self._client.delete_registered_model_alias(registered_model_name(base_model), alias)
+        if alias == CHAMPION:
+            self._serving_changed(base_model)
 
     def set_tags(self, base_model: str, version: str, tags: Mapping[str, str]) -> None:
         """Set (add or overwrite) tags on a version; MLflow has no batch call, so one request per tag."""
@@ -253,6 +262,12 @@ class DrafterRegistry:
         for key, value in _checked_tags(tags, base_model).items():
             with self._existing_version(name, version):
                 self._client.set_model_version_tag(name, version, key, value)
+        if Tag.BENCHED in tags:
+            self._serving_changed(base_model)
+
+    def _serving_changed(self, base_model: str) -> None:
+        if self.on_serving_change is not None:
+            self.on_serving_change(base_model)
 
     def download(self, v: DrafterVersion, dst: Path, max_bytes: int) -> Path:
         """The version's artifact directory under `dst/<name>/<version>-<run id>/`, downloaded once;
@@ -403,15 +418,22 @@ class DrafterRegistry:
 # where the engine wants an answer in seconds and retries on its own schedule. So the variables are
 # set only for the duration of a registry call, under a lock: other threads' MLflow calls made
 # meanwhile see them too, and registry calls over http in one process run one at a time.
-_HTTP_ENV_LOCK = threading.Lock()
+_HTTP_ENV_LOCK = threading.RLock()  # a credentials block holds it around registry calls
+
+
+def _http_limits(timeout_s: int) -> AbstractContextManager[None]:
+    return mlflow_environment({MLFLOW_HTTP_REQUEST_TIMEOUT.name: str(timeout_s),
+                               MLFLOW_HTTP_REQUEST_MAX_RETRIES.name: "0"})
 
 
 @contextmanager
-def _http_limits(timeout_s: int) -> Iterator[None]:
-    limits = {MLFLOW_HTTP_REQUEST_TIMEOUT.name: str(timeout_s), MLFLOW_HTTP_REQUEST_MAX_RETRIES.name: "0"}
+def mlflow_environment(values: Mapping[str, str]) -> Iterator[None]:
+    """`values` in this process's environment for the block, put back after. MLflow's client reads
+    its limits and credentials (`MLFLOW_TRACKING_USERNAME`, ...) from the environment at each request,
+    so a call made with other ones holds them there, one block at a time."""
     with _HTTP_ENV_LOCK:
-        saved = {key: os.environ.get(key) for key in limits}
-        os.environ.update(limits)
+        saved = {key: os.environ.get(key) for key in values}
+        os.environ.update(values)
         try:
             yield
         finally:

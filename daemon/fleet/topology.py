@@ -263,23 +263,13 @@ class Fleet:
             raise RuntimeError(f"specloop registry add-reader failed: {run.stderr[-2000:]}")
 
     def _seed_registry(self) -> None:
-        """The shipped drafters, each champion of its base model while MLflow holds no version of it.
-
-        MLflow's client reads its credentials from the environment on each request, so they are this
-        process's for the call, and put back after: the children get theirs explicitly."""
+        """The shipped drafters, each champion of its base model while MLflow holds no version of it,
+        written as the registry's admin (the children get their credentials explicitly)."""
         from specloop.daemon.shipped_drafters import seed_registry
-        from specloop.storage.registry import DrafterRegistry
+        from specloop.storage.registry import DrafterRegistry, mlflow_environment
 
-        before = {key: os.environ.get(key) for key in self.admin_env}
-        os.environ.update(self.admin_env)
-        try:
+        with mlflow_environment(self.admin_env):
             seed_registry(DrafterRegistry(self.mlflow_url))
-        finally:
-            for key, value in before.items():
-                if value is None:
-                    del os.environ[key]
-                else:
-                    os.environ[key] = value
 
     # ---------------------------------------------------------------- one process at a time
 

@@ -24,6 +24,9 @@ class DaemonMetrics:
                                    ["action"], registry=r)
         self.next_run = Gauge("specloop_daemon_next_tick_timestamp_seconds", "When the next scheduled tick is due.",
                               registry=r)
+        self.engine_notices = Counter("specloop_daemon_engine_notices",
+                                      "Engines told of a moved or benched champion, by result (engine_notice.py).",
+                                      ["result"], registry=r)
         self.running = Gauge("specloop_daemon_run_in_progress", "1 while a run is in progress.", registry=r)
 
     def render(self) -> bytes:

@@ -13,6 +13,7 @@ It loads the target once, then runs two jobs on an APScheduler 3.x `BackgroundSc
   retention). Where several daemons share the state database (`specloop fleet`), one of them at a
   time does both, under a second lease (`watch:<base model>`); the others only tick.
 
+Whenever it moves or benches `champion`, it tells the engines to look now (`engine_notice.py`).
 At start it finishes what a killed daemon left (`run.resume_promotion`), and when the base model has
 no drafter registered at all it brings the first tick forward to now (`triggers.first_drafter_due`).
 `shutdown()` (SIGTERM, via
@@ -38,6 +39,8 @@ from apscheduler.triggers.date import DateTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
 from specloop.consent.registry import ConsentRegistry
+from specloop.consent.settings import ConsentSettings
+from specloop.daemon.retrain.engine_notice import EngineNotice
 from specloop.daemon.retrain.erasures import ErasureFollowUp
 from specloop.daemon.retrain.history import Action, PromotionHistory
 from specloop.daemon.retrain.job_store import StateJobStore
@@ -88,6 +91,10 @@ class RetrainDaemon:
                                    tenant_retention(settings.tenants_file), settings.trace_retention_days,
                                    settings.run_retention_days, settings.live_tau_retention_days)
         self.metrics = DaemonMetrics()
+        # Engines hear of a moved or benched champion at once rather than at their next poll.
+        self.notice = EngineNotice(settings.engines, lambda: ConsentSettings().existing_admin_token(),
+                                   self.metrics.engine_notices)
+        self.loop.registry.on_serving_change = self.notice
         self.owner = daemon_identity()
         # Daemons of one base model on one state database (a fleet) all tick, and the training lease
         # keeps their runs apart; the watch (live τ, rollbacks, erasure policy) and housekeeping are
@@ -153,6 +160,7 @@ class RetrainDaemon:
             self.scheduler.shutdown(wait=True)
         if self._on_duty:  # after the scheduler, so that no watch takes it again
             _survive("watch hand-over", self._duty.release)
+        self.notice.close()
         _DAEMONS.pop(self.base_model, None)
 
     def next_tick(self) -> datetime | None:

@@ -18,16 +18,33 @@ import httpx
 import pytest
 from sqlalchemy import text
 
+from specloop.consent.settings import ConsentSettings
 from specloop.daemon.fleet.topology import Fleet, FleetConfig, wait_until
 from specloop.daemon.retrain.run_log import RunLog, RunOutcome
+from specloop.daemon.retrain.settings import DaemonSettings
 from specloop.daemon.retrain.state_db import open_state
 from specloop.daemon.stack import DEMO_TENANT
-from tests.test_deploy import argv, compose, compose_argv, compose_env, the_container
+from specloop.engine.server.settings import ServerSettings
+from tests.test_deploy import (
+    DAEMON_VARIABLES,
+    SPECLOOP,
+    SYSTEMD,
+    argv,
+    compose,
+    compose_argv,
+    compose_env,
+    declared_envvars,
+    env_example,
+    exec_start,
+    the_container,
+    unit_environment,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 LEASE_TTL_S = 3
-POLL_S = 2.0
+POLL_S = 30.0  # the engines' default: a promotion reaches them sooner by the daemon's notice
+NOTICE_S = 10.0  # how soon that is, a download and a swap included
 # Trains for 12 s per run, so that a daemon can be killed in training; any challenger is promoted.
 POLICY = """
 schedule: {interval_minutes: 0.05}
@@ -106,7 +123,8 @@ def send(fleet: Fleet, count: int) -> list[str]:
 
 def test_sigkill_the_lease_holder_in_training_then_a_promotion_reaches_both_engines(fleet: Fleet) -> None:
     """The other daemon takes the lease over within its TTL, records the killed run as abandoned,
-    and its own run promotes a fully registered version that both engines serve within a poll."""
+    and its own run promotes a fully registered version that both engines serve at once (the
+    daemon tells them: well within their poll)."""
     log = runs(fleet)
     send(fleet, 40)
     training = wait_until(lambda: next((r for r in log.runs() if r.step == "train" and r.outcome is RunOutcome.RUNNING),
@@ -125,7 +143,7 @@ def test_sigkill_the_lease_holder_in_training_then_a_promotion_reaches_both_engi
     assert killed.version is None  # nothing half-registered
     assert taken != holder and took_s < LEASE_TTL_S + 10  # the TTL, then the next tick (every 3 s)
     version = f"v{done.version}"
-    wait_until(lambda: all(served_version(u) == version for u in fleet.engine_urls), 3 * POLL_S + 10,
+    wait_until(lambda: all(served_version(u) == version for u in fleet.engine_urls), NOTICE_S,
                "both engines serving the promoted version")
     fleet.start(name)
 
@@ -233,13 +251,41 @@ def options(command: list[str]) -> set[str]:
     return {arg.partition("=")[0] for arg in command if arg.startswith("--")}
 
 
+# The variables each kind of process reads, so that a unit's shared env file is held to the ones it uses.
+READS = {"mlflow": {"MLFLOW_AUTH_CONFIG_PATH"},
+         "engine": {f"SPECLOOP_{n.upper()}" for n in (*ServerSettings.model_fields, *ConsentSettings.model_fields)},
+         "sink": set(declared_envvars(SPECLOOP.commands["sink"])),
+         "daemon": DAEMON_VARIABLES | {"SPECLOOP_DATA_DIR", "SPECLOOP_ADMIN_TOKEN"}}  # the engines' admin token
+# What the units set for systemd's sake, not the topology's: a log level, and a writable cache
+# directory under ProtectSystem=strict.
+NOT_TOPOLOGY = {"SPECLOOP_LOG_LEVEL", "XDG_CACHE_HOME"}
+
+
+def option_for(kind: str, variable: str) -> str | None:
+    """The option of `kind`'s command that sets what `variable` sets, if it has one."""
+    if kind == "sink":
+        return next((p.opts[0] for p in SPECLOOP.commands["sink"].params if p.envvar == variable), None)
+    if kind == "daemon":
+        field = next((n for n, f in DaemonSettings.model_fields.items() if variable in f.validation_alias.choices),
+                     None)
+        return None if field is None else "--engine" if field == "engines" else f"--{field.replace('_', '-')}"
+    return None
+
+
 @pytest.mark.parametrize("kind", ["mlflow", "engine", "sink", "daemon"])
 def test_the_deploy_files_run_what_the_fleet_ran(fleet: Fleet, kind: str) -> None:
-    """Every option deploy/compose.yaml and the Kubernetes manifests give each long-lived process, and
-    every variable Compose sets for it, is one the fleet's process of that kind ran with: what
-    passed above is what those files start."""
+    """Every option deploy/compose.yaml, the Kubernetes manifests and the systemd units give each
+    long-lived process, and every variable Compose and the units set for it, is one the fleet's
+    process of that kind ran with (as a variable or its option): what passed above is what those
+    files start."""
     ran = fleet.services[kind if kind == "mlflow" else f"{kind}-1"]
     service = compose()["services"][kind]
     assert options(compose_argv(service)) <= options(ran.command)
     assert set(compose_env(service)) <= set(ran.env)
     assert options(argv(the_container(f"specloop-{kind}"))) <= options(ran.command)
+    unit = SYSTEMD / f"specloop-{kind}.service"
+    assert options(exec_start(unit)) <= options(ran.command)
+    given = {**(env_example() if kind != "mlflow" else {}), **unit_environment(unit)}
+    for variable in set(given) & READS[kind] - NOT_TOPOLOGY:
+        assert variable in ran.env or option_for(kind, variable) in options(ran.command), variable
+    assert set(unit_environment(unit)) - NOT_TOPOLOGY <= READS[kind]  # nothing a unit sets goes unread

@@ -35,6 +35,7 @@ from specloop.storage.registry import (
     DrafterVersion,
     RegistryUnavailable,
     Tag,
+    mlflow_environment,
     registered_model_name,
     tau_tags,
 )
@@ -131,6 +132,23 @@ def test_aliases_are_set_moved_and_deleted(registry: DrafterRegistry, artifact: 
     registry.delete_alias(secrets.token_hex(8), CHAMPION)
     assert registry.champion(fingerprint) is None
     assert registry.by_alias(fingerprint, CHALLENGER) == _with_aliases(v2, CHALLENGER)
+
+
+def test_what_engines_serve_changing_is_announced(registry: DrafterRegistry, artifact: Path, fingerprint: str) -> None:
+    """Moving or removing `champion` and setting `benched` announce; other aliases and tags do not."""
+    v1 = registry.register(artifact, fingerprint)
+    heard: list[str] = []
+    registry.on_serving_change = heard.append
+    try:
+        registry.set_alias(fingerprint, CHALLENGER, v1.version)
+        registry.set_tags(fingerprint, v1.version, {Tag.APPROVAL: Approval.PENDING})
+        assert heard == []
+        registry.set_alias(fingerprint, CHAMPION, v1.version)
+        registry.set_tags(fingerprint, v1.version, {Tag.BENCHED: "true"})
+        registry.delete_alias(fingerprint, CHAMPION)
+        assert heard == [fingerprint] * 3
+    finally:
+        registry.on_serving_change = None
 
 
 def _with_aliases(v: DrafterVersion, *aliases: str) -> DrafterVersion:
@@ -289,6 +307,21 @@ def test_a_closed_port_is_unavailable_at_once(artifact: Path, fingerprint: str) 
         with pytest.raises(RegistryUnavailable, match="Connection refused"):
             call()
         assert time.monotonic() - started < 15
+    assert dict(os.environ) == environ
+
+
+def test_credentials_held_around_registry_calls_are_put_back(artifact: Path, fingerprint: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block of other credentials (the fleet seeds as the admin) nests the calls' own limits in it,
+    on one thread, and leaves the environment as it found it."""
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "engine")
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
+    environ = dict(os.environ)
+    registry = DrafterRegistry(f"http://127.0.0.1:{free_port()}")
+    with mlflow_environment({"MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": "p" * 16}):
+        with pytest.raises(RegistryUnavailable):
+            registry.champion(fingerprint)  # holds the limits inside the block
+        assert (os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"]) == ("admin", "p" * 16)
     assert dict(os.environ) == environ
 
 
