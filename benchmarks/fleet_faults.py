@@ -8,7 +8,8 @@ only to the other. Consented requests (the demo's formal-logic prompts, `--batch
 traces the daemons train on. The faults, in order:
 
 1. SIGKILL the daemon that holds the training lease, in training: seconds until the other daemon
-   holds it; seconds from the promotion its run makes to both engines serving that version.
+   holds it; seconds from the promotion its run makes to both engines serving that version (the
+   daemon tells them at once; their poll, every 30 s, is the backstop).
 2. SIGKILL one engine: requests failed on the other; seconds until the restarted engine serves the
    champion after it is ready.
 3. SIGKILL one sink while consented traffic flows: traces lost and duplicated in Parquet, by trace
@@ -60,7 +61,7 @@ rollout: {{rollback_below: 0.01}}
 cooldown_minutes: 0
 """
 USERS = [f"bench-user-{i}" for i in range(8)]
-POLL_S = 5.0
+POLL_S = 30.0  # the engines' default: a promotion reaches them sooner, by the daemon's notice
 
 
 class Clients:
