@@ -12,9 +12,12 @@ drafts a token (without this the model rated drafter systems 3-5% faster against
 alone than live decoding did; docs/performance.md, "The bench, and training only where suffix
 decoding misses").
 
-Each term is fitted (`fixed + per unit`) to median times measured here, in the process that
-replays, on this CPU under its current load. Two contenders whose drafters have the same shape
-share one measurement of their drafter: their costs are equal, so only what they draft differs.
+Each term is measured here, in the process that replays, on this CPU under its current load: the
+passes over positions (the target's, the drafter's observe) as a `PassCost` between measured
+widths, since a pass's cost steps with its positions (one line over them priced a one-row step at
+twice its cost), and the per-row terms fitted `fixed + per row`. Two contenders whose drafters have
+the same shape share one measurement of their drafter: their costs are equal, so only what they
+draft differs.
 That keeps a machine's load changing between two calibrations out of the gain between them, which
 the paired bootstrap over traces (`speed_gain.py`) could not see.
 
@@ -33,13 +36,13 @@ from specloop.engine.cpu.fused_decode import MAX_ROWS
 from specloop.engine.model.transformer import Transformer
 from specloop.engine.runtime.model_runner import ModelRunner
 from specloop.engine.runtime.sequence import SamplingParams, Sequence
-from specloop.engine.runtime.verify_cost import Linear, measure_pass, median_seconds
+from specloop.engine.runtime.verify_cost import Linear, PassCost, measure_pass, median_seconds, pass_shapes
 from specloop.engine.speculation.build import dflash_of
 from specloop.engine.speculation.dflash_proposer import DFlashProposer
 from specloop.engine.speculation.proposer import Proposer
 from specloop.engine.speculation.suffix import SuffixConfig, SuffixProposer
 
-GRID = ((1, 1), (1, 4), (1, 16), (4, 4), (8, 1), (8, 4), (8, 16))  # (batch, width) measured
+GRID = pass_shapes(8, 16)  # (batch, width) measured: the replay's groups, the widest draft, a prompt chunk
 ROWS = (1, 4, 8)  # propose batch sizes measured
 CONTEXT = 256  # cached positions each sequence attends to while measured
 PREFILL_CHUNK = 128  # prompt tokens per prefill pass: `specloop serve`'s `max_prefill_tokens`
@@ -47,9 +50,9 @@ PREFILL_CHUNK = 128  # prompt tokens per prefill pass: `specloop serve`'s `max_p
 
 @dataclass(frozen=True)
 class StepCost:
-    target: Linear  # per verified position (B × w)
+    target: PassCost  # over verified positions (B × w)
     lookup: Linear  # per row looked up
-    dflash_observe: Linear | None = None  # per observed position; None: no drafter
+    dflash_observe: PassCost | None = None  # over observed positions; None: no drafter
     dflash_propose: Linear | None = None  # per row DFlash drafts
     max_rows: int | None = None  # the most rows a pass may verify and keep plain decoding's numerics
 
@@ -70,10 +73,11 @@ class StepCost:
         return sum(self.target(c) + (observe(c) if observe is not None else 0.0) for c in chunks)
 
     def to_json(self) -> dict[str, float]:
-        parts = {"target": self.target, "lookup": self.lookup, "dflash_observe": self.dflash_observe,
-                 "dflash_propose": self.dflash_propose}
-        return {f"{name}_{k}_ms": v * 1e3 for name, p in parts.items() if p is not None
-                for k, v in (("fixed", p.fixed_s), ("per_unit", p.per_unit_s))}
+        lines = {"lookup": self.lookup, "dflash_propose": self.dflash_propose}
+        passes = {"target": self.target, "dflash_observe": self.dflash_observe}
+        return {**{f"{name}_{k}_ms": v * 1e3 for name, p in lines.items() if p is not None
+                   for k, v in (("fixed", p.fixed_s), ("per_unit", p.per_unit_s))},
+                **{f"{name}_{n}_ms": v * 1e3 for name, p in passes.items() if p is not None for n, v in p.points}}
 
 
 class CostModel:
@@ -90,7 +94,7 @@ class CostModel:
         self._target = measure_pass(target, list(GRID), self.context)
         self.max_rows = None if target.fused_decoder is None else MAX_ROWS
         self._lookup: dict[SuffixConfig, Linear] = {}
-        self._drafters: dict[str, tuple[Linear, Linear]] = {}
+        self._drafters: dict[str, tuple[PassCost, Linear]] = {}
 
     def cost(self, proposer: Proposer) -> StepCost:
         lookup = self._lookup_cost(proposer)
@@ -103,14 +107,13 @@ class CostModel:
         return StepCost(self._target, lookup, *self._drafters[key], max_rows=self.max_rows)
 
     @torch.inference_mode()
-    def _fit_grid(self, run: Callable[[list[Sequence], torch.Tensor], object]) -> Linear:
-        units, seconds = [], []
+    def _fit_grid(self, run: Callable[[list[Sequence], torch.Tensor], object]) -> PassCost:
+        seconds = {}
         for b, w in GRID:
             seqs = [Sequence([0], SamplingParams(), slot=i, num_cached=self.context) for i in range(b)]
             block = torch.zeros(b, w, dtype=torch.long)
-            units.append(b * w)
-            seconds.append(median_seconds(lambda seqs=seqs, block=block: run(seqs, block)))
-        return Linear.fit(units, seconds)
+            seconds[(b, w)] = median_seconds(lambda seqs=seqs, block=block: run(seqs, block))
+        return PassCost.fit(seconds)
 
     def _lookup_cost(self, proposer: Proposer) -> Linear:
         lookup = getattr(proposer, "lookup", proposer)
@@ -127,7 +130,7 @@ class CostModel:
         return self._lookup[lookup.config]
 
     @torch.inference_mode()
-    def _dflash_costs(self, dflash: DFlashProposer) -> tuple[Linear, Linear]:
+    def _dflash_costs(self, dflash: DFlashProposer) -> tuple[PassCost, Linear]:
         """(observe per position, propose per row) of one drafter."""
         dflash.allocate(max(ROWS), self.context + 2 * self.width)
         _, taps = self.runner.run_block([Sequence([0], SamplingParams(), slot=0, num_cached=self.context)],

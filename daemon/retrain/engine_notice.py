@@ -7,7 +7,8 @@ A notice is a hint, never the truth: an engine looks the alias up itself, with e
 at a poll. One that misses the notice (down, restarting, unreachable) finds the change at its next
 poll, so a failed notice is logged and counted, never raised into the daemon's job. Notices go out on
 a thread of their own, to every engine at once, since an engine answers once its swap is done
-(seconds); changes made while a round is out are coalesced into one more round. They are
+(seconds), and again a few seconds apart while it answers that it could not read the registry;
+changes made while a round is out are coalesced into one more round. They are
 authenticated with the engines' admin token: `SPECLOOP_ADMIN_TOKEN`, else the consent secrets file the
 engines share (`ConsentSettings.existing_admin_token`), read at each round and never created here.
 
@@ -23,6 +24,7 @@ Not here: deciding what serves (`gate.py`, `rollback.py`, the contest's bench), 
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import httpx
@@ -32,13 +34,18 @@ log = logging.getLogger(__name__)
 
 # An engine's look downloads a version (tens of MB) and waits for the swap: seconds, bounded here.
 ANSWER_TIMEOUT_S = 120.0
+# An engine that could not read the registry (503: MLflow slow under load, or just back) is asked
+# again after these pauses, before its poll is left to find the change.
+UNAVAILABLE_RETRY_S = (2.0, 4.0, 8.0)
 
 
 class EngineNotice:
     """Call it with the base model whose serving changed; `close()` ends its thread."""
 
-    def __init__(self, engines: Sequence[str], token: Callable[[], str | None], counted: Counter) -> None:
+    def __init__(self, engines: Sequence[str], token: Callable[[], str | None], counted: Counter,
+                 retry_s: Sequence[float] = UNAVAILABLE_RETRY_S) -> None:
         self.engines = list(engines)
+        self._retry_s = tuple(retry_s)
         self._token = token
         self._counted = counted  # labelled by result: answered, refused, unreached, no_token
         self._due = threading.Event()
@@ -87,13 +94,18 @@ class EngineNotice:
             ask.join()
 
     def _tell(self, url: str, token: str) -> None:
-        try:
-            r = httpx.post(f"{url}/admin/drafter/reload", headers={"Authorization": f"Bearer {token}"}, json={},
-                           timeout=ANSWER_TIMEOUT_S)
-        except httpx.HTTPError as e:
-            self._counted.labels("unreached").inc()
-            log.info("engine %s not told (%s: %s); it looks at its next poll", url, type(e).__name__, e)
-            return
+        for pause in (*self._retry_s, None):
+            try:
+                r = httpx.post(f"{url}/admin/drafter/reload", headers={"Authorization": f"Bearer {token}"},
+                               json={}, timeout=ANSWER_TIMEOUT_S)
+            except httpx.HTTPError as e:
+                self._counted.labels("unreached").inc()
+                log.info("engine %s not told (%s: %s); it looks at its next poll", url, type(e).__name__, e)
+                return
+            if r.status_code != 503 or pause is None or self._closed:
+                break
+            log.info("engine %s could not read the registry; asking again in %.0f s", url, pause)
+            time.sleep(pause)
         if r.status_code != 200:
             self._counted.labels("refused").inc()
             log.warning("engine %s answered the notice with %d: %s", url, r.status_code, r.text[:200])

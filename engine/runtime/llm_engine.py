@@ -51,7 +51,7 @@ from specloop.engine.runtime.sampler import Sampler
 from specloop.engine.runtime.scheduler import PrefillChunk, Scheduler
 from specloop.engine.runtime.sequence import SamplingParams, Sequence, Status, TokenDelta
 from specloop.engine.runtime.torch_thread import TorchThread
-from specloop.engine.runtime.verify_cost import Linear, best_num_drafts, exact_num_drafts, measure_pass
+from specloop.engine.runtime.verify_cost import PassCost, best_num_drafts, exact_num_drafts, measure_pass, pass_shapes
 from specloop.engine.speculation.proposer import NO_DRAFT, ServedDrafter, draft_lengths
 from specloop.engine.speculation.verify import accept_lengths, committed_tokens
 
@@ -133,7 +133,7 @@ class LLMEngine:
         self.config = config
         self.eos = frozenset(eos_token_ids)
         self.runner = ModelRunner(model, config.num_slots, config.max_len, config.max_block_size)
-        self._verify_cost: Linear | None = None
+        self._verify_cost: PassCost | None = None
         self._verify_cost_at = 0.0  # time.monotonic() of the last measurement
         self._verify_cost_tries = 0
         self.drafter: ServedDrafter | None = None  # what new sequences get
@@ -322,22 +322,22 @@ class LLMEngine:
         return [(s, self._delta(s, [], "timeout")) for s in expired] + results
 
     @property
-    def verify_cost(self) -> Linear:
-        """This machine's target pass time per verified position, measured on a cache of its own: once,
-        or again (a minute apart, `REMEASURE_TRIES` times at most) while the fit says a position costs
-        nothing. A pass of more positions never costs less, so that fit means the measurement ran beside
-        another busy process: `specloop up` with no drafter for its model starts the daemon's first
+    def verify_cost(self) -> PassCost:
+        """This machine's target pass time over a number of positions, measured on a cache of its own:
+        once, or again (a minute apart, `REMEASURE_TRIES` times at most) while it says positions cost
+        nothing. The widest pass never costs less than the narrowest, so that means the measurement ran
+        beside another busy process: `specloop up` with no drafter for its model starts the daemon's first
         drafter run as the engine measures (NVFP4, 2 cores: 779 ms + 0 per position). With it every
         draft would be verified, however unlikely."""
         due = self._verify_cost is None or (
-            self._verify_cost.per_unit_s == 0 and self._verify_cost_tries < REMEASURE_TRIES
+            self._verify_cost.free_positions and self._verify_cost_tries < REMEASURE_TRIES
             and time.monotonic() - self._verify_cost_at >= REMEASURE_AFTER_S)
         if due:
             B, W = self.config.num_slots, self.config.max_block_size
-            self._verify_cost = measure_pass(self.model, [(1, 1), (1, W), (B, 1), (B, W)])
+            self._verify_cost = measure_pass(self.model, pass_shapes(B, W))
             self._verify_cost_at, self._verify_cost_tries = time.monotonic(), self._verify_cost_tries + 1
-            log.info("verify pass: %.2f ms + %.3f ms per position", self._verify_cost.fixed_s * 1e3,
-                     self._verify_cost.per_unit_s * 1e3)
+            log.info("verify pass (positions: ms): %s", ", ".join(f"{n}: {s * 1e3:.1f}"
+                                                                 for n, s in self._verify_cost.points))
         return self._verify_cost
 
     def _speculates(self, seq: Sequence) -> bool:

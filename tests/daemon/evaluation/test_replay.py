@@ -8,7 +8,7 @@ import torch
 
 import specloop.daemon.evaluation.replay as replay_module
 from specloop.daemon.evaluation.replay import compare, replay
-from specloop.daemon.evaluation.step_cost import Linear, StepCost
+from specloop.daemon.evaluation.step_cost import Linear, PassCost, StepCost
 from specloop.engine.speculation.combined import CombinedProposer
 from specloop.engine.speculation.dflash_proposer import DFlashProposer
 from specloop.engine.speculation.ngram import NgramProposer
@@ -54,9 +54,14 @@ def test_wrong_drafts_give_tau_one() -> None:
     assert stats.tau == 1.0 and stats.steps == 14 and stats.acceptance_rate == 0.0
 
 
+def line(fixed_s: float, per_position_s: float) -> PassCost:
+    """A pass measured at 1 and 1,000 positions on the line `fixed + per position`."""
+    return PassCost(((1, fixed_s + per_position_s), (1000, fixed_s + 1000 * per_position_s)))
+
+
 def test_modelled_seconds_follow_the_width_verified_and_are_shared_by_the_step() -> None:
     # A step costs 1 s plus 1 s per verified position; both sequences run in one group.
-    cost = StepCost(target=Linear(1.0, 1.0), lookup=Linear(0.0, 0.0))
+    cost = StepCost(target=line(1.0, 1.0), lookup=Linear(0.0, 0.0))
     stats = replay(Scripted([s.tokens for s in SEQS], 4, right=3), SEQS, batch_size=2, cost=cost)
     # Prefill: one pass over each prompt (2 and 1 tokens): 3 s and 2 s. Step 1: both rows, width 4 (3
     # drafts + last token): 1 + 8 s, shared. Seq 1 is then done (4 tokens); seq 0 takes two more steps
@@ -70,8 +75,8 @@ def test_modelled_seconds_follow_the_width_verified_and_are_shared_by_the_step()
 
 
 def test_a_prefill_costs_the_target_per_chunk_and_a_drafter_its_observe_of_every_prompt_token() -> None:
-    plain = StepCost(target=Linear(1.0, 0.01), lookup=Linear(0.0, 0.0))
-    drafted = StepCost(target=Linear(1.0, 0.01), lookup=Linear(0.0, 0.0), dflash_observe=Linear(0.5, 0.001),
+    plain = StepCost(target=line(1.0, 0.01), lookup=Linear(0.0, 0.0))
+    drafted = StepCost(target=line(1.0, 0.01), lookup=Linear(0.0, 0.0), dflash_observe=line(0.5, 0.001),
                        dflash_propose=Linear(0.0, 0.0))
     # 300 prompt tokens: chunks of 128, 128 and 44, each a pass (1 s + 0.01 s a token).
     assert plain.prefill_seconds(300) == pytest.approx(3 + 3.0)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter
 
 from specloop.consent.settings import ConsentSettings
@@ -119,3 +120,26 @@ def test_the_token_is_the_one_engines_share(tmp_path: Path, monkeypatch: pytest.
     assert ConsentSettings(data_dir=tmp_path).existing_admin_token() == engines
     monkeypatch.setenv("SPECLOOP_ADMIN_TOKEN", TOKEN)
     assert ConsentSettings(data_dir=tmp_path).existing_admin_token() == TOKEN
+
+
+def test_an_engine_that_could_not_read_the_registry_is_asked_again() -> None:
+    """A stand-in engine (the retry is the notice's own logic) that answers 503, as one whose registry
+    read failed does, twice before it answers."""
+    asked: list[int] = []
+    api = FastAPI()
+
+    @api.post("/admin/drafter/reload")
+    def reload() -> JSONResponse:
+        asked.append(1)
+        return JSONResponse({"result": "unavailable" if len(asked) < 3 else "swapped"},
+                            status_code=503 if len(asked) < 3 else 200)
+
+    told = counter()
+    with serve_in_thread(api) as url:
+        notice = EngineNotice([url], lambda: TOKEN, told, retry_s=(0.05, 0.05, 0.05))
+        try:
+            notice(FINGERPRINT)
+            wait_for(lambda: count(told, "answered") == 1)
+        finally:
+            notice.close()
+    assert len(asked) == 3 and count(told, "refused") == 0

@@ -1,9 +1,10 @@
 """The verify width rule: draft columns are kept while what they are expected to add pays for the
 positions they cost, for the whole batch."""
 
+import pytest
 import torch
 
-from specloop.engine.runtime.verify_cost import Linear, best_num_drafts, measure_pass
+from specloop.engine.runtime.verify_cost import Linear, PassCost, best_num_drafts, measure_pass, pass_shapes
 from tests.engine.runtime.test_llm_engine import tiny
 
 
@@ -25,13 +26,44 @@ def test_a_long_unlikely_tail_is_cut() -> None:
     assert best_num_drafts(confidence, lengths, Linear(1.0, 0.0)) == 8
 
 
+def test_certain_drafts_are_all_verified_however_dear_a_wider_pass() -> None:
+    """Proposers without estimates, and the canary's probes, verify every draft: with a price that
+    steps up (as passes do) the rule would otherwise cut them, and τ would no longer be the drafter's."""
+    steep = PassCost(((1, 0.010), (2, 0.011), (4, 0.040)))
+    assert best_num_drafts(torch.ones(1, 3), torch.tensor([3]), steep) == 3
+    assert best_num_drafts(torch.full((1, 3), 0.99), torch.tensor([3]), steep) == 1
+
+
 def test_no_drafts_no_columns() -> None:
     assert best_num_drafts(torch.zeros(3, 4), torch.zeros(3, dtype=torch.long), Linear(1.0, 0.1)) == 0
 
 
-def test_the_pass_is_measured_as_fixed_plus_per_position() -> None:
-    cost = measure_pass(tiny(), [(1, 1), (1, 8), (4, 1), (4, 8)])
-    assert cost.fixed_s > 0 and cost.per_unit_s >= 0
+def test_the_pass_is_measured_at_each_number_of_positions() -> None:
+    cost = measure_pass(tiny(), pass_shapes(4, 8))
+    assert pass_shapes(4, 8) == [(1, 1), (1, 2), (1, 4), (1, 8), (4, 1), (4, 2), (4, 4), (4, 8)]
+    assert [n for n, _ in cost.points] == [1, 2, 4, 8, 16, 32]  # 4 rows of 1 and 1 row of 4 averaged
+    assert all(s > 0 for _, s in cost.points)
+
+
+def test_a_pass_between_two_measured_ones_is_priced_between_and_past_them_along_the_last_two() -> None:
+    cost = PassCost(((1, 0.010), (4, 0.016), (8, 0.022), (16, 0.038), (32, 0.066), (64, 0.057)))
+    assert cost(1) == 0.010 and cost(2) == pytest.approx(0.012) and cost(12) == pytest.approx(0.030)
+    assert cost(48) == pytest.approx(0.0615)  # a wider pass may cost less: another kernel takes it
+    assert cost(128) == 0.057  # past the last, never falling
+    assert torch.allclose(cost(torch.tensor([1.0, 2.0])), torch.tensor([0.010, 0.012], dtype=torch.float64))
+    rising = PassCost(((1, 0.01), (2, 0.02)))
+    assert rising(4) == pytest.approx(0.04) and not rising.free_positions
+    assert PassCost(((1, 0.02), (2, 0.01))).free_positions
+    assert PassCost.fit({(1, 4): 0.02, (4, 1): 0.04, (1, 1): 0.01}).points == ((1, 0.01), (4, pytest.approx(0.03)))
+
+
+def flat(seconds: float) -> PassCost:
+    """Measured beside a busy process: the widest pass no dearer than the narrowest."""
+    return PassCost(((1, seconds), (64, seconds)))
+
+
+def rising(seconds: float) -> PassCost:
+    return PassCost(((1, seconds), (64, 4 * seconds)))
 
 
 def test_a_fit_at_no_cost_per_position_is_measured_again_a_minute_later(monkeypatch) -> None:
@@ -41,14 +73,14 @@ def test_a_fit_at_no_cost_per_position_is_measured_again_a_minute_later(monkeypa
     from specloop.engine.runtime.llm_engine import REMEASURE_TRIES, EngineConfig, LLMEngine
     from specloop.engine.speculation.ngram import NgramProposer
 
-    fits = iter([Linear(0.5, 0.0)] * REMEASURE_TRIES + [Linear(0.01, 0.001)])
+    fits = iter([flat(0.5)] * REMEASURE_TRIES + [rising(0.01)])
     monkeypatch.setattr(llm_engine, "measure_pass", lambda *_: next(fits))
     engine = LLMEngine(tiny(), EngineConfig(num_slots=2, max_len=64), [], NgramProposer(block_size=4))
-    assert engine.verify_cost == Linear(0.5, 0.0)  # measured at start, and not again within the minute
+    assert engine.verify_cost == flat(0.5)  # measured at start, and not again within the minute
     for _ in range(REMEASURE_TRIES + 1):
         engine._verify_cost_at -= 61  # a minute on
         engine.verify_cost
-    assert engine.verify_cost == Linear(0.5, 0.0) and next(fits) == Linear(0.01, 0.001)  # tries are bounded
+    assert engine.verify_cost == flat(0.5) and next(fits) == rising(0.01)  # tries are bounded
 
 
 def test_a_degenerate_fit_is_replaced_by_the_next_sound_one_which_is_kept(monkeypatch) -> None:
@@ -56,10 +88,10 @@ def test_a_degenerate_fit_is_replaced_by_the_next_sound_one_which_is_kept(monkey
     from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
     from specloop.engine.speculation.ngram import NgramProposer
 
-    fits = iter([Linear(0.5, 0.0), Linear(0.01, 0.001), Linear(9.0, 9.0)])
+    fits = iter([flat(0.5), rising(0.01), rising(9.0)])
     monkeypatch.setattr(llm_engine, "measure_pass", lambda *_: next(fits))
     engine = LLMEngine(tiny(), EngineConfig(num_slots=2, max_len=64), [], NgramProposer(block_size=4))
     engine._verify_cost_at -= 61
-    assert engine.verify_cost == Linear(0.01, 0.001)
+    assert engine.verify_cost == rising(0.01)
     engine._verify_cost_at -= 61
-    assert engine.verify_cost == Linear(0.01, 0.001)
+    assert engine.verify_cost == rising(0.01)
