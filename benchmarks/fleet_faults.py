@@ -29,6 +29,7 @@ Writes `benchmarks/results/fleet_faults.json`. Run: `.venv/bin/python benchmarks
 
 import argparse
 import json
+import shutil
 import signal
 import sys
 import tempfile
@@ -112,6 +113,7 @@ def main() -> None:
     parser.add_argument("--train-minutes", type=float, default=1.0)
     parser.add_argument("--mlflow-down-s", type=float, default=60.0)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--logs", type=Path, help="keep the fleet's logs here (its temporary directory goes)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="fleet-faults-") as tmp:
@@ -123,7 +125,11 @@ def main() -> None:
         with Fleet(config) as fleet:
             report = {"machine": describe(), "clients": args.clients, "registry_poll_s": POLL_S,
                       "train_minutes": args.train_minutes, "up_s": round(time.monotonic() - started, 1)}
-            report["faults"] = run_faults(fleet, args)
+            try:
+                report["faults"] = run_faults(fleet, args)
+            finally:
+                if args.logs is not None:
+                    shutil.copytree(fleet.root / "logs", args.logs, dirs_exist_ok=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report["faults"], indent=2))
