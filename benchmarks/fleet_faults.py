@@ -317,8 +317,9 @@ def mlflow_fault(fleet: Fleet, base: str, clients: Clients, consented: Consented
     in_flight = wait_until(lambda: next((r for r in runs.runs() if r.run_id == training.run_id
                                          and r.outcome is not RunOutcome.RUNNING), None), 600, "the run ended")
     sender.join()
-    consented.send(batch)
+    sender = consented.send_meanwhile(batch)  # watched from the start: sending takes as long as a run
     result = both_serve_next_promotion(fleet, history, base, last)
+    sender.join()
     return {"down_s": down_s, "requests_ok": during[0] - ok, "requests_failed": during[1] - failed,
             "engines_kept_their_drafter": kept, "run_in_flight": in_flight.outcome.value,
             "run_in_flight_detail": in_flight.detail[:200], "next_promotion_after_back_s":
