@@ -23,7 +23,7 @@ Not here: what is accepted (`engine/speculation/verify.py`), the daemon's model 
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -65,14 +65,17 @@ class PassCost:
     22.9 ms and 32 at 39.5: 2.6% off on average over 20 shapes interpolated, 32.8% by the line."""
 
     points: tuple[tuple[int, float], ...]  # (positions, seconds), positions ascending
+    _xy: tuple[np.ndarray, np.ndarray] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = [p for p, _ in self.points]
         assert n and n == sorted(set(n)) and n[0] >= 1, self.points
+        # Built once: the engine prices a pass at every step.
+        object.__setattr__(self, "_xy", tuple(np.array(v, dtype=np.float64) for v in zip(*self.points, strict=True)))
 
     def __call__(self, positions: int | torch.Tensor) -> float | torch.Tensor:
         x = np.asarray(positions.cpu() if isinstance(positions, torch.Tensor) else positions, dtype=np.float64)
-        xs, ys = (np.array(v, dtype=np.float64) for v in zip(*self.points, strict=True))
+        xs, ys = self._xy
         y = np.interp(x, xs, ys)
         if len(xs) > 1:  # past the widest measured pass, along the last two (never falling)
             slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
