@@ -3,7 +3,8 @@
 Speculation pays off by `τ / (verify cost / decode cost + drafter cost)`, so the price of feeding a
 block of n tokens instead of one is half of every speedup. This measures one forward pass of the
 fused C++ decoder (`kernels/cpu_decode.cpp`, the LM head left out) for n = 1, 2, 3, 4, 8 rows of
-one sequence at several context lengths, on the real model's weights and a filled KV cache.
+one sequence at several context lengths, on the real model's weights and a filled KV cache: bf16
+(the GGUF dequantized) or, with `--weights gguf`, the file's own Q4_1 blocks.
 
 With `--baseline-rev REV` the kernel source at git revision REV is built too, for the same
 instruction set (its `Decoder` renamed, so both load in one process), and measured interleaved with
@@ -30,8 +31,8 @@ from pathlib import Path
 import torch
 
 from specloop.engine.cpu.fused_decode import FusedDecoder
-from specloop.engine.cpu.linear import optimize_for_cpu_inference
-from specloop.engine.loaders.load import build_model, read_stored_model
+from specloop.engine.loaders.load import default_model_path, load_for_inference
+from specloop.engine.loaders.weight_format import WeightFormat
 from specloop.engine.model.attention import cache_dtype
 from specloop.engine.model.kv_cache import AttnBatch, KVCache
 from specloop.kernels.cpu_decode import SOURCE as KERNEL
@@ -49,6 +50,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--contexts", type=int, nargs="+", default=[300, 700, 1000], help="cached tokens before the pass")
     p.add_argument("--repeats", type=int, default=30, help="passes per cell (the median is reported)")
     p.add_argument("--baseline-rev", help="git revision whose kernel to measure side by side")
+    p.add_argument("--weights", choices=("bf16", "gguf"), default="bf16", help="how the target holds its weights")
     p.add_argument("--out", type=Path, default=RESULTS)
     return p.parse_args()
 
@@ -85,8 +87,9 @@ def median_ms(decoders: dict[str, FusedDecoder], cache: KVCache, hidden: int, co
 def main() -> None:
     args = parse_args()
     load_before = os.getloadavg()[0]
-    gguf, stored = read_stored_model(None)
-    model = optimize_for_cpu_inference(build_model(stored, torch.bfloat16, torch.device("cpu")))
+    gguf = default_model_path()
+    weights = WeightFormat() if args.weights == "bf16" else WeightFormat("gguf")
+    model = load_for_inference(gguf, torch.bfloat16, torch.device("cpu"), weights).model
     if model.fused_decoder is None:
         raise SystemExit("the fused CPU kernel does not build on this machine: nothing to measure")
     cache = KVCache(model.config, 1, max(args.contexts) + max(ROWS), cache_dtype(model.dtype, model.device),
@@ -110,6 +113,7 @@ def main() -> None:
     report = {
         "model": gguf.name,
         "dtype": "bfloat16",
+        "weights": args.weights,
         "machine": describe(),
         "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]},
         "baseline_rev": args.baseline_rev,

@@ -310,44 +310,68 @@ Packed pack_fp4_matrix(const at::Tensor& codes, const at::Tensor& scales, double
 // ---- GGUF block rows ---------------------------------------------------------------------------
 //
 // Activations meet GGUF blocks as int8, one fp32 scale per block of 32 (amax / 127, rounded to
-// nearest even), with the sum of each 4 consecutive ones for the blocks' offsets; each block's
-// products are then an exact integer sum (simd_ggml_x86.h). Rows are quantized alone, so a token's
-// result does not depend on what else is in its pass.
+// nearest even); each block's products are then an exact integer sum (simd_ggml_x86.h). What a
+// block adds to every weight (Q4_0's -8 d, Q4_1's m; the K-quants' per sub-block) meets the
+// activations' block sum once per tile row and block (`BlockTerms`), apart from the lanes. Rows
+// are quantized alone, so a token's result does not depend on what else is in its pass.
 //
 // Tiles: per 4-row tile and block, each row's codes as stored, then the rows' fp16 scales (Q4_1: the
 // four d, then the four m), so a tile's block is one sequential read of 72 (Q4_0), 80 (Q4_1) or 136
 // (Q8_0) bytes: 4.5, 5 and 8.5 bits per weight, the file's own bytes.
 
 struct QuantizedQ8 {
-  std::vector<int8_t> q;         // [M, in]
-  std::vector<float> scales;     // [M, in / 32]
-  std::vector<int32_t> sums;     // [M, in / 4]: each 4 activations' sum
-  std::vector<float> scaled;     // [M, in / 4]: those times the block's scale (Q4_1's minimum meets them)
+  std::vector<int8_t> q;        // [M, in]
+  std::vector<float> scales;    // [M, in / 32]
+  std::vector<float> sum32;     // [M, in / 32]: the block's activations summed, times its scale
+  std::vector<float> sum16;     // [M, in / 16]: the same per half block (Q6_K's scales are per 16)
 };
 
 void prepare_q8_blocks(const float* x, int64_t M, int64_t in, QuantizedQ8& out) {
   out.q.resize(M * in);
   out.scales.resize(M * in / Q_BLOCK);
-  out.sums.resize(M * in / 4);
-  out.scaled.resize(M * in / 4);
+  out.sum32.resize(M * in / Q_BLOCK);
+  out.sum16.resize(2 * M * in / Q_BLOCK);
   for (int64_t b = 0; b < M * in / Q_BLOCK; ++b) {
-    const float* xb = x + b * Q_BLOCK;
-    float amax = 0.f;
-    for (int64_t i = 0; i < Q_BLOCK; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    for (int64_t l = 0; l < Q_BLOCK / 4; ++l) {
-      int32_t lane_sum = 0;
-      for (int64_t i = 4 * l; i < 4 * l + 4; ++i) {
-        const int8_t q = static_cast<int8_t>(std::nearbyint(xb[i] * inv));
-        out.q[b * Q_BLOCK + i] = q;
-        lane_sum += q;
-      }
-      out.sums[b * Q_BLOCK / 4 + l] = lane_sum;
-      out.scaled[b * Q_BLOCK / 4 + l] = static_cast<float>(lane_sum) * (amax / 127.f);
-    }
-    out.scales[b] = amax / 127.f;
+    int32_t half[2];
+    const float scale = simd::q_quantize_block(x + b * Q_BLOCK, out.q.data() + b * Q_BLOCK, half);
+    out.scales[b] = scale;
+    out.sum32[b] = static_cast<float>(half[0] + half[1]) * scale;
+    for (int h = 0; h < 2; ++h) out.sum16[2 * b + h] = static_cast<float>(half[h]) * scale;
   }
 }
+
+// What G activation rows' blocks add to a tile's rows besides their lanes: per (activation row,
+// tile row), the sum over blocks of a per-block weight (Q4_0: d; Q4_1, Q4_K: m; Q6_K: d of each
+// half) times the activations' block (half-block) sum (Q4_0: times -8; Q6_K: -32). Added to the
+// lanes' total at the end.
+template <int G>
+struct BlockTerms {
+  alignas(32) float v[G][TILE] = {};
+
+  // Rows j of a block whose weight is c[j] (4 tile rows) met by activation row g's sum `xsum`.
+  void add(int g, const float* c, float xsum) { simd::q_add_scaled(v[g], c, xsum); }
+};
+
+// A tile is read in chunks of CHUNK blocks (K-quants: sub-blocks), twice: first its scales in order
+// (bringing the chunk's bytes into L1, 5 KB of Q4_1), each tile row's d times each activation row's
+// block scale laid out as q_row_scales (one per row) or q_half_scales (two per row) reads them;
+// then tile row by tile row, its codes against every activation row. Only G accumulators are live in
+// the second pass, so G (simd::QROWS) can be 4 on AVX2's 16 registers and the codes are decoded once
+// for 4 rows of a verify pass. Scales from memory are broadcast loads; kept in registers, GCC 12
+// spent two shuffles spreading each one.
+constexpr int64_t CHUNK = 16;
+
+// One row of activations streams its tile block by block (a chunk of one): in chunks of 16 it was
+// slower than the kernel before chunks (SmolLM2's layer matrices at one row, Zen 3: 1.10x its time;
+// block by block 0.88x).
+constexpr int64_t chunk_blocks(int G) { return G == 1 ? 1 : CHUNK; }
+
+template <int G, int PER_ROW>
+struct ChunkScales {
+  alignas(32) float v[CHUNK][G][TILE * PER_ROW];
+
+  void set(int64_t c, int g, const float* d, float xs) { simd::q_scaled(d, xs, v[c][g], TILE * PER_ROW); }
+};
 
 // G rows of quantized activations against one GGUF tile of format T: each tile row's block is
 // decoded once and serves the G rows; one accumulator per (row, output), summed over the blocks in
@@ -356,38 +380,49 @@ template <Ggml T, int G>
 void ggml_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* y, int64_t in, int64_t out,
                     int64_t first) {
   constexpr bool SIGNED = T == Ggml::Q8_0, MIN = T == Ggml::Q4_1;
-  constexpr int OFFSET = T == Ggml::Q4_0 ? 8 : 0;
   constexpr int64_t CODES = q_code_bytes(T), BYTES = q_tile_bytes(T);
   constexpr int PAIRS = TILE / simd::QJ;  // accumulators per activation row
   const int64_t blocks = in / Q_BLOCK;
-  simd::QAcc acc[G][PAIRS];
-  for (int g = 0; g < G; ++g)
-    for (int p = 0; p < PAIRS; ++p) acc[g][p] = simd::q_zero();
-  for (int64_t c = 0; c < blocks; ++c) {
-    const uint8_t* wc = tile + c * BYTES;
-    // simd::PREFETCH ahead: SmolLM2's 211 Q4_1 and Q8_0 matrices (96 MB) at one row took 12.45 ms
-    // without it and 5.60 ms with 4 KB (AVX-512 build, AMX Xeon, 2 threads).
-    if constexpr (simd::PREFETCH > 0)
-      for (int64_t line = 0; line < BYTES; line += 64)
-        __builtin_prefetch(reinterpret_cast<const char*>(wc) + simd::PREFETCH + line);
-    alignas(32) float dm[2 * TILE] = {};
-    simd::q_scales(wc + TILE * CODES, dm, MIN ? 2 * TILE : TILE);
-    simd::QScale xs[G];
-    for (int g = 0; g < G; ++g) xs[g] = simd::q_splat(x.scales[(m0 + g) * blocks + c]);
+  simd::QAcc acc[PAIRS][G];
+  for (int p = 0; p < PAIRS; ++p)
+    for (int g = 0; g < G; ++g) acc[p][g] = simd::q_zero();
+  BlockTerms<G> terms;
+  ChunkScales<G, 1> scale;
+  for (int64_t c0 = 0; c0 < blocks; c0 += chunk_blocks(G)) {
+    const int64_t n = std::min(chunk_blocks(G), blocks - c0);
+    for (int64_t c = 0; c < n; ++c) {
+      const uint8_t* wc = tile + (c0 + c) * BYTES;
+      // simd::PREFETCH ahead: SmolLM2's 211 Q4_1 and Q8_0 matrices (96 MB) at one row took 12.45 ms
+      // without it and 5.60 ms with 4 KB (AVX-512 build, AMX Xeon, 2 threads).
+      if constexpr (simd::PREFETCH > 0)
+        for (int64_t line = 0; line < BYTES; line += 64)
+          __builtin_prefetch(reinterpret_cast<const char*>(wc) + simd::PREFETCH + line);
+      alignas(32) float dm[2 * TILE] = {};
+      simd::q_scales(wc + TILE * CODES, dm, MIN ? 2 * TILE : TILE);
+      for (int g = 0; g < G; ++g) {
+        const int64_t b = (m0 + g) * blocks + c0 + c;
+        scale.set(c, g, dm, x.scales[b]);
+        if constexpr (T == Ggml::Q4_0) terms.add(g, dm, -8.f * x.sum32[b]);
+        if constexpr (MIN) terms.add(g, dm + TILE, x.sum32[b]);
+      }
+    }
     for (int p = 0; p < PAIRS; ++p) {
       const int j = p * simd::QJ;  // the first of the rows this accumulator holds
-      const simd::QCodes w = SIGNED ? simd::q8_decode(wc + j * CODES) : simd::q4_decode(wc + j * CODES);
-      const simd::QScale d = simd::q_row_scales(dm + j), m = simd::q_row_scales(dm + TILE + j);
-      for (int g = 0; g < G; ++g) {
-        const int64_t b = (m0 + g) * blocks + c;
-        acc[g][p] = simd::q_madd<SIGNED, OFFSET, MIN>(acc[g][p], w, d, m, x.q.data() + b * Q_BLOCK, xs[g],
-                                                      x.sums.data() + b * 8, x.scaled.data() + b * 8);
+      simd::QAcc a[G];
+      for (int g = 0; g < G; ++g) a[g] = acc[p][g];
+      for (int64_t c = 0; c < n; ++c) {
+        const uint8_t* wj = tile + (c0 + c) * BYTES + j * CODES;
+        const simd::QCodes w = SIGNED ? simd::q8_decode(wj) : simd::q4_decode(wj);
+        for (int g = 0; g < G; ++g)
+          a[g] = simd::q_madd<SIGNED>(a[g], w, simd::q_row_scales(&scale.v[c][g][j]),
+                                      x.q.data() + ((m0 + g) * blocks + c0 + c) * Q_BLOCK);
       }
+      for (int g = 0; g < G; ++g) acc[p][g] = a[g];
     }
   }
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < TILE && first + j < out; ++j)
-      y[g * out + first + j] = simd::q_reduce(acc[g][j / simd::QJ], j % simd::QJ);
+      y[g * out + first + j] = simd::q_reduce(acc[j / simd::QJ][g], j % simd::QJ) + terms.v[g][j];
 }
 
 // A Q4_K row's 8 sub-block scales and minima from its 12 bytes of 6-bit values (ggml's
@@ -453,35 +488,55 @@ void k_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* y
   constexpr bool Q4K = T == Ggml::Q4_K;
   constexpr int PAIRS = TILE / simd::QJ;
   constexpr int64_t CODES = q_code_bytes(T), BYTES = q_tile_bytes(T);
+  constexpr int64_t SUPERS = std::max<int64_t>(1, chunk_blocks(G) / K_SUB);
+  static_assert(SUPERS * K_SUB <= CHUNK, "a chunk's sub-blocks fit ChunkScales");
   const int64_t supers = in / K_BLOCK, blocks = in / Q_BLOCK;
-  simd::QAcc acc[G][PAIRS];
-  for (int g = 0; g < G; ++g)
-    for (int p = 0; p < PAIRS; ++p) acc[g][p] = simd::q_zero();
+  simd::QAcc acc[PAIRS][G];
+  for (int p = 0; p < PAIRS; ++p)
+    for (int g = 0; g < G; ++g) acc[p][g] = simd::q_zero();
+  BlockTerms<G> terms;
+  ChunkScales<G, 2> scale;  // by sub-block of the chunk
   KScales k{};
-  for (int64_t c = 0; c < supers; ++c) {
-    const uint8_t* wc = tile + c * BYTES;
-    if constexpr (simd::PREFETCH > 0)
-      for (int64_t line = 0; line < BYTES; line += 64)
-        __builtin_prefetch(reinterpret_cast<const char*>(wc) + simd::PREFETCH + line);
-    k_scales<T>(wc, k);
-    for (int s = 0; s < K_SUB; ++s) {
-      simd::QScale xs[G];
-      for (int g = 0; g < G; ++g) xs[g] = simd::q_splat(x.scales[(m0 + g) * blocks + c * K_SUB + s]);
-      for (int p = 0; p < PAIRS; ++p) {
-        const int j = p * simd::QJ;
-        const simd::QCodes w = k_decode<T>(wc + j * CODES, s);
-        const simd::QScale d = simd::q_half_scales(&k.ds[s][j][0]), m = simd::q_row_scales(&k.ms[s][j]);
+  for (int64_t c0 = 0; c0 < supers; c0 += SUPERS) {
+    const int64_t n = std::min(SUPERS, supers - c0);
+    for (int64_t c = 0; c < n; ++c) {
+      const uint8_t* wc = tile + (c0 + c) * BYTES;
+      if constexpr (simd::PREFETCH > 0)
+        for (int64_t line = 0; line < BYTES; line += 64)
+          __builtin_prefetch(reinterpret_cast<const char*>(wc) + simd::PREFETCH + line);
+      k_scales<T>(wc, k);
+      for (int s = 0; s < K_SUB; ++s)
         for (int g = 0; g < G; ++g) {
-          const int64_t b = (m0 + g) * blocks + c * K_SUB + s;
-          acc[g][p] = simd::q_madd<false, Q4K ? 0 : 32, Q4K>(acc[g][p], w, d, m, x.q.data() + b * Q_BLOCK, xs[g],
-                                                             x.sums.data() + b * 8, x.scaled.data() + b * 8);
+          const int64_t b = (m0 + g) * blocks + (c0 + c) * K_SUB + s;
+          scale.set(c * K_SUB + s, g, &k.ds[s][0][0], x.scales[b]);
+          if constexpr (Q4K) {
+            terms.add(g, k.ms[s], x.sum32[b]);
+          } else {
+            for (int h = 0; h < 2; ++h) {
+              float half_d[TILE];
+              for (int j = 0; j < TILE; ++j) half_d[j] = k.ds[s][j][h];
+              terms.add(g, half_d, -32.f * x.sum16[2 * b + h]);
+            }
+          }
         }
-      }
+    }
+    for (int p = 0; p < PAIRS; ++p) {
+      const int j = p * simd::QJ;
+      simd::QAcc a[G];
+      for (int g = 0; g < G; ++g) a[g] = acc[p][g];
+      for (int64_t c = 0; c < n; ++c)
+        for (int s = 0; s < K_SUB; ++s) {
+          const simd::QCodes w = k_decode<T>(tile + (c0 + c) * BYTES + j * CODES, s);
+          for (int g = 0; g < G; ++g)
+            a[g] = simd::q_madd<false>(a[g], w, simd::q_half_scales(&scale.v[c * K_SUB + s][g][2 * j]),
+                                       x.q.data() + ((m0 + g) * blocks + (c0 + c) * K_SUB + s) * Q_BLOCK);
+        }
+      for (int g = 0; g < G; ++g) acc[p][g] = a[g];
     }
   }
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < TILE && first + j < out; ++j)
-      y[g * out + first + j] = simd::q_reduce(acc[g][j / simd::QJ], j % simd::QJ);
+      y[g * out + first + j] = simd::q_reduce(acc[j / simd::QJ][g], j % simd::QJ) + terms.v[g][j];
 }
 
 template <Ggml T, int G>
@@ -502,9 +557,9 @@ void matmul_ggml_as(const float* x, const Packed& w, const float* bias, float* y
   const uint8_t* base = w.tiles.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t m = 0; m < M; m += simd::ROWS) {
+      for (int64_t m = 0; m < M; m += simd::QROWS) {
         float* ym = y + m * out;
-        switch (std::min<int64_t>(simd::ROWS, M - m)) {
+        switch (std::min<int64_t>(simd::QROWS, M - m)) {
           case 4: tile_rows_of<T, 4>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
           case 3: tile_rows_of<T, 3>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
           case 2: tile_rows_of<T, 2>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;

@@ -6,6 +6,7 @@
 //   ISA                      the path's name, as `kernels/cpu_features.py` spells it
 //   W                        fp32 lanes per `Vec`
 //   ROWS                     rows of activations a weight tile is read against at once (registers)
+//   QROWS                    the same for GGUF block tiles (at most 4)
 //   REGS                     vector registers the compiler has (for blocking choices)
 //   PREFETCH                 bytes of weights to prefetch ahead of the matrix tile being read (0: none)
 //   Vec                      W fp32 lanes
@@ -35,16 +36,19 @@
 //   QCodes, QAcc             QJ consecutive tile rows' codes of one 32-weight GGUF block, decoded; an
 //                            accumulator of 8 fp32 lanes per row for them (simd_ggml_x86.h says how)
 //   q_scales(h, out, n)      n (4 or 8) fp16 scales -> fp32, exactly
+//   q_scaled(d, k, out, n)   out[i] = d[i] k, i < n (4 or 8): a tile's rows' scales times one number
+//   q_add_scaled(acc, c, k)  acc[i] += c[i] k, i < 4 (FMA on x86)
+//   q_quantize_block(x, q, half_sums)  32 fp32 activations -> int8 codes round(x (127 / amax)), ties
+//                            to even; the codes' sums over each 16 in half_sums; returns amax / 127
 //   q4_decode(qs), q8_decode(qs)  QJ rows' 16 nibble bytes (Q4_0, Q4_1) or 32 int8 (Q8_0) -> QCodes
 //   q4k_decode(qs, stride, high)  QJ rows' (stride bytes apart) low or high nibbles of 32 bytes (Q4_K)
 //   q6k_decode(codes, stride, s)  QJ rows' sub-block s of 192 Q6_K code bytes -> codes 0 .. 63
 //   q_half_scales(s)         QScale of each row's two half-block scales (Q6_K: one per 16 weights)
-//   q_madd<SIGNED, OFFSET, MIN>(acc, w, d, m, xq, xs, xo, xf)  acc + the rows' block products with int8
-//                            activations xq [32] of scale xs, lane sums xo [8] (4 activations each) and
-//                            xf [8] (those times xs): lane l adds m x xf[l] for MIN, then the exact
-//                            integer sum over elements 4 l .. 4 l + 3 (less OFFSET x xo[l], OFFSET 0,
-//                            8 or 32) times d x xs; d and m are the rows' scales (q_row_scales), xs
-//                            one number (q_splat), as QScale
+//   q_row_scales(s)          QScale of each row's one number: s[r] for row r of the QJ
+//   q_madd<SIGNED>(acc, w, scale, xq)  acc + the rows' block products with int8 activations xq [32]:
+//                            lane l adds the exact integer sum over elements 4 l .. 4 l + 3 times
+//                            its row's scale (d times the activations' scale, already multiplied);
+//                            offsets and minima are the caller's, once per block and row
 //   q_zero, q_reduce(acc, r), q_store(out, w, r)  an empty accumulator; the sum of row r's lanes by a
 //                            fixed tree; row r's 32 codes (for tests)
 //

@@ -68,7 +68,6 @@ using QScale = __m512;  // a number per row's lanes: [row j x 8 | row j + 1 x 8]
 inline QScale q_row_scales(const float* s) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(s[0])), _mm256_set1_ps(s[1]), 1);
 }
-inline QScale q_splat(float x) { return _mm512_set1_ps(x); }
 // Q6_K's scales of a sub-block's halves for two rows, s = [j: first, second | j + 1: first, second].
 inline QScale q_half_scales(const float* s) {
   return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
@@ -80,20 +79,15 @@ inline __m512i q_twice(const void* p) {
 }
 
 // acc + two rows' block against the activations (as simd_ggml_x86.h's q_madd, per row).
-template <bool SIGNED, int OFFSET, bool MIN>
-inline QAcc q_madd(QAcc acc, QCodes w, QScale d, QScale m, const int8_t* xq, QScale xs, const int32_t* xo,
-                   const float* xf) {
+template <bool SIGNED>
+inline QAcc q_madd(QAcc acc, QCodes w, QScale scale, const int8_t* xq) {
   __m512i x = q_twice(xq);
   if constexpr (SIGNED) {
     // |w| (-128 stays 0x80, 128 unsigned) times x with w's sign: |x| <= 127, so -x fits.
     x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
     w = _mm512_abs_epi8(w);
   }
-  __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
-  static_assert(OFFSET == 0 || OFFSET == 8 || OFFSET == 32, "the offsets there are: Q4_0's 8, Q6_K's 32");
-  if constexpr (OFFSET != 0) sums = _mm512_sub_epi32(sums, _mm512_slli_epi32(q_twice(xo), OFFSET == 8 ? 3 : 5));
-  if constexpr (MIN) acc = _mm512_fmadd_ps(_mm512_castsi512_ps(q_twice(xf)), m, acc);
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, xs), acc);
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x)), scale, acc);
 }
 
 inline float q_reduce(QAcc x, int row) {

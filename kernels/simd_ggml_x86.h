@@ -7,11 +7,9 @@
 // w = d q (q int8). Activations meet them as int8, one fp32 scale per 32 (the block), as llama.cpp's
 // Q8_0/Q8_1 activations do. The 4-bit codes become 32 unsigned bytes in element order (a mask and a
 // shift), so VPMADDUBSW and VPMADDWD leave in 32-bit lane l the exact integer sum over elements
-// 4 l .. 4 l + 3; Q4_0's -8 and Q4_1's m reach the sum through the activations' lane sums, which the
-// activations bring precomputed; Q8_0's signed weights take the sign trick (|w| times x with w's
-// sign). One fp32 FMA per lane then applies d x activation scale, another m for Q4_1 (against
-// the activations' lane sums times their scale, xf). The fp16 scales of a tile's four rows become
-// fp32 in one VCVTPH2PS.
+// 4 l .. 4 l + 3; Q8_0's signed weights take the sign trick (|w| times x with w's sign). One fp32 FMA
+// per lane then applies d x activation scale; Q4_0's -8 and Q4_1's m are added per block, not here
+// (q_madd). The fp16 scales of a tile's four rows become fp32 in one VCVTPH2PS.
 
 #pragma once
 
@@ -34,13 +32,14 @@ inline QAcc q_zero() { return _mm256_setzero_ps(); }
 inline QScale q_row_scales(const float* s) { return _mm256_set1_ps(*s); }
 // Q6_K's two scales of a sub-block, s[0] for elements 0-15 (lanes 0-3), s[1] for 16-31.
 inline QScale q_half_scales(const float* s) { return _mm256_set_m128(_mm_set1_ps(s[1]), _mm_set1_ps(s[0])); }
-inline QScale q_splat(float x) { return _mm256_set1_ps(x); }
 
-// 16 bytes of nibbles -> [low nibbles (elements 0-15) | high nibbles (16-31)].
+// 16 bytes of nibbles -> [low nibbles (elements 0-15) | high nibbles (16-31)]: the bytes loaded into
+// both halves, the upper half shifted by 4, one mask. Two vector operations where splitting and
+// joining halves took four; the decode is shared by a pass's rows, so it is 2 of the 10 a tile row's
+// block costs two rows of activations.
 inline QCodes q4_decode(const uint8_t* qs) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i nibble = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), nibble), _mm_and_si128(raw, nibble));
+  const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  return _mm256_and_si256(_mm256_srlv_epi64(raw, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0x0F));
 }
 
 // Q4_K: one nibble of 32 bytes (the high ones when `high`) -> 32 codes in element order; `stride`
@@ -76,20 +75,15 @@ inline __m256i q_lanes(QCodes w, const int8_t* xq) {
   return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-// acc + one row's block against int8 activations xq [32] with scale xs, lane sums xo [8] (lane l:
-// the sum of activations 4 l .. 4 l + 3) and those times xs, xf [8]: Q4_0 (OFFSET 8) adds
-// d xs (sum w x - 8 sum x), Q4_1 (MIN) d xs sum w x + m xs sum x, Q8_0 (SIGNED) d xs sum w x, lane by
-// lane; d, m and xs come broadcast (q_row_scales, q_splat).
-template <bool SIGNED, int OFFSET, bool MIN>
-inline QAcc q_madd(QAcc acc, QCodes w, QScale d, QScale m, const int8_t* xq, QScale xs, const int32_t* xo,
-                   const float* xf) {
-  __m256i sums = q_lanes<SIGNED>(w, xq);
-  static_assert(OFFSET == 0 || OFFSET == 8 || OFFSET == 32, "the offsets there are: Q4_0's 8, Q6_K's 32");
-  if constexpr (OFFSET != 0)
-    sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xo)),
-                                                    OFFSET == 8 ? 3 : 5));
-  if constexpr (MIN) acc = _mm256_fmadd_ps(_mm256_loadu_ps(xf), m, acc);
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, xs), acc);
+// acc + one row's block against int8 activations xq [32]: the exact integer sum over elements
+// 4 l .. 4 l + 3 in lane l, times `scale` (d times the activations' scale, q_row_scales or
+// q_half_scales of those products). A block's offset (Q4_0's 8, Q6_K's 32) or minimum (Q4_1, Q4_K)
+// is the same for its 32 weights, so it meets the activations' block sum once per row, outside
+// (cpu_decode.cpp, `BlockTerms`): 4 vector operations per row and block, against 6 for Q4_1 and 7
+// for Q4_0 when they were added lane by lane here.
+template <bool SIGNED>
+inline QAcc q_madd(QAcc acc, QCodes w, QScale scale, const int8_t* xq) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q_lanes<SIGNED>(w, xq)), scale, acc);
 }
 
 inline float q_reduce(QAcc x, int /*row*/) { return fp4_reduce(x); }  // the same 8-lane tree

@@ -5,6 +5,7 @@
 
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 
 namespace simd {
@@ -12,6 +13,7 @@ namespace simd {
 constexpr const char* ISA = "portable";
 constexpr int W = 8;
 constexpr int ROWS = 2;
+constexpr int QROWS = 2;  // GGUF tiles, as ROWS
 constexpr int REGS = 16;
 constexpr int64_t PART = 32;
 // Bytes of weights prefetched ahead, as on the AVX2 path (simd_avx2.h says why).
@@ -123,12 +125,11 @@ struct QScale {
 };
 
 inline QAcc q_zero() { return {}; }
-inline QScale q_splat(float x) {
+inline QScale q_row_scales(const float* s) {
   QScale r;
-  for (float& v : r.v) v = x;
+  for (float& v : r.v) v = *s;
   return r;
 }
-inline QScale q_row_scales(const float* s) { return q_splat(*s); }
 inline QScale q_half_scales(const float* s) {
   QScale r;
   for (int l = 0; l < 8; ++l) r.v[l] = s[l / 4];
@@ -150,6 +151,26 @@ inline void q_scales(const uint8_t* half, float* out, int n) {
     std::memcpy(&h, half + 2 * i, 2);
     out[i] = from_fp16(h);
   }
+}
+
+inline void q_scaled(const float* d, float k, float* out, int n) {
+  for (int i = 0; i < n; ++i) out[i] = d[i] * k;
+}
+
+inline float q_quantize_block(const float* x, int8_t* q, int32_t* half_sums) {
+  float amax = 0.f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  half_sums[0] = half_sums[1] = 0;
+  for (int i = 0; i < 32; ++i) {
+    q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
+    half_sums[i / 16] += q[i];
+  }
+  return amax / 127.f;
+}
+
+inline void q_add_scaled(float* acc, const float* c, float k) {
+  for (int i = 0; i < 4; ++i) acc[i] += c[i] * k;
 }
 
 inline QCodes q4_decode(const uint8_t* qs) {
@@ -185,15 +206,12 @@ inline QCodes q8_decode(const uint8_t* qs) {
 
 inline void q_store(int8_t* out, const QCodes& w, int /*row*/) { std::memcpy(out, w.q, 32); }
 
-template <bool SIGNED, int OFFSET, bool MIN>
-inline QAcc q_madd(QAcc acc, const QCodes& w, QScale d, QScale m, const int8_t* xq, QScale xs, const int32_t* xo,
-                   const float* xf) {
+template <bool SIGNED>
+inline QAcc q_madd(QAcc acc, const QCodes& w, QScale scale, const int8_t* xq) {
   for (int l = 0; l < 8; ++l) {
     int32_t s = 0;
     for (int i = 4 * l; i < 4 * l + 4; ++i) s += static_cast<int32_t>(w.q[i]) * xq[i];
-    if constexpr (OFFSET != 0) s -= OFFSET * xo[l];
-    if constexpr (MIN) acc.v[l] += xf[l] * m.v[l];
-    acc.v[l] += static_cast<float>(s) * (d.v[l] * xs.v[l]);
+    acc.v[l] += static_cast<float>(s) * scale.v[l];
   }
   return acc;
 }

@@ -206,4 +206,16 @@ def test_smollm2_serves_from_its_own_blocks_under_the_file_fingerprint() -> None
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
     answers = [LLMEngine(m.model, EngineConfig(num_slots=1, max_len=256), []).generate([prompt], greedy)[0].output_ids
                for m in (gguf, fp32)]
-    assert answers[0][:8] == answers[1][:8]
+    # int8 activations round differently from fp32 ones, so the answers may part at a near tie (the
+    # kernel that adds blocks' minima apart from their lanes chose the fp32 model's third token, 0.26
+    # below its first, at token 7).
+    # Where they part, the fp32 model must rate gguf's choice within 2% of its own.
+    same = next((i for i, (a, b) in enumerate(zip(*answers)) if a != b), len(answers[1]))
+    assert same >= 4, f"the answers parted at token {same}"
+    if same < len(answers[1]):
+        cache = KVCache(fp32.model.config, 1, 128, torch.float32, CPU)
+        ids = torch.tensor([prompt + answers[1][:same]])
+        with torch.inference_mode():
+            hidden, _ = fp32.model(ids, cache, AttnBatch.build([0], [0], ids.shape[1], CPU, 128))
+            last = fp32.model.logits(hidden[0, -1:]).float()[0]
+        assert last[answers[1][same]] - last[answers[0][same]] <= 0.02 * last.max().abs()
