@@ -4,7 +4,7 @@ Speculation pays off by `τ / (verify cost / decode cost + drafter cost)`, so th
 block of n tokens instead of one is half of every speedup. This measures one forward pass of the
 fused C++ decoder (`kernels/cpu_decode.cpp`, the LM head left out) for n = 1, 2, 3, 4, 8 rows of
 one sequence at several context lengths, on the real model's weights and a filled KV cache: bf16
-(the GGUF dequantized) or, with `--weights gguf`, the file's own Q4_1 blocks.
+(the GGUF dequantized) or, with `--weights gguf`, the file's own Q4_1 blocks, or NVFP4 (`nvfp4`).
 
 With `--baseline-rev REV` the kernel source at git revision REV is built too, for the same
 instruction set (its `Decoder` renamed, so both load in one process), and measured interleaved with
@@ -43,6 +43,7 @@ from benchmarks.machine import describe  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "verify_pass.json"
 ROWS = (1, 2, 3, 4, 8)
+WEIGHTS = {"bf16": WeightFormat(), "gguf": WeightFormat("gguf"), "nvfp4": WeightFormat("nvfp4")}
 
 
 def parse_args() -> argparse.Namespace:
@@ -50,7 +51,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--contexts", type=int, nargs="+", default=[300, 700, 1000], help="cached tokens before the pass")
     p.add_argument("--repeats", type=int, default=30, help="passes per cell (the median is reported)")
     p.add_argument("--baseline-rev", help="git revision whose kernel to measure side by side")
-    p.add_argument("--weights", choices=("bf16", "gguf"), default="bf16", help="how the target holds its weights")
+    p.add_argument("--weights", choices=sorted(WEIGHTS), default="bf16", help="how the target holds its weights")
     p.add_argument("--out", type=Path, default=RESULTS)
     return p.parse_args()
 
@@ -88,8 +89,7 @@ def main() -> None:
     args = parse_args()
     load_before = os.getloadavg()[0]
     gguf = default_model_path()
-    weights = WeightFormat() if args.weights == "bf16" else WeightFormat("gguf")
-    model = load_for_inference(gguf, torch.bfloat16, torch.device("cpu"), weights).model
+    model = load_for_inference(gguf, torch.bfloat16, torch.device("cpu"), WEIGHTS[args.weights]).model
     if model.fused_decoder is None:
         raise SystemExit("the fused CPU kernel does not build on this machine: nothing to measure")
     cache = KVCache(model.config, 1, max(args.contexts) + max(ROWS), cache_dtype(model.dtype, model.device),

@@ -214,17 +214,10 @@ void prepare_q8(const float* x, int64_t M, int64_t in, Quantized& out) {
     const float* xc = x + c * FP4_CHUNK;
     int8_t* qc = out.q.data() + c * FP4_CHUNK;
     for (int64_t b = 0; b < FP4_SCALES; ++b) {
-      float amax = 0.f;
-      for (int64_t i = 16 * b; i < 16 * (b + 1); ++i) amax = std::max(amax, std::fabs(xc[i]));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t lane_sum[2] = {0, 0};
-      for (int64_t i = 16 * b; i < 16 * (b + 1); ++i) {
-        const int8_t q = static_cast<int8_t>(std::nearbyint(xc[i] * inv));
-        qc[i % 2 * FP4_CODES + i / 2] = q;
-        lane_sum[i % 16 / 8] += q;
-      }
+      int32_t lane_sum[2];
+      const float scale = simd::fp4_quantize_block(xc + 16 * b, qc + 8 * b, qc + FP4_CODES + 8 * b, lane_sum);
       for (int h = 0; h < 2; ++h) {
-        out.scales[c * 8 + 2 * b + h] = amax / 127.f;
+        out.scales[c * 8 + 2 * b + h] = scale;
         out.offsets[c * 8 + 2 * b + h] = 12 * lane_sum[h];
       }
     }

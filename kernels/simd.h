@@ -40,6 +40,8 @@
 //   q_add_scaled(acc, c, k)  acc[i] += c[i] k, i < 4 (FMA on x86)
 //   q_quantize_block(x, q, half_sums)  32 fp32 activations -> int8 codes round(x (127 / amax)), ties
 //                            to even; the codes' sums over each 16 in half_sums; returns amax / 127
+//   fp4_quantize_block(x, evens, odds, lane_sums)  the same for 16 activations, even elements' codes
+//                            to evens [8], odd ones' to odds [8], sums over each 8 in lane_sums
 //   q4_decode(qs), q8_decode(qs)  QJ rows' 16 nibble bytes (Q4_0, Q4_1) or 32 int8 (Q8_0) -> QCodes
 //   q4k_decode(qs, stride, high)  QJ rows' (stride bytes apart) low or high nibbles of 32 bytes (Q4_K)
 //   q6k_decode(codes, stride, s)  QJ rows' sub-block s of 192 Q6_K code bytes -> codes 0 .. 63

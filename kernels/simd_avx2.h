@@ -11,6 +11,7 @@
 #include <immintrin.h>
 
 #include "simd_fp4_x86.h"
+#include "simd_int8_x86.h"
 #include "simd_ggml_x86.h"
 
 namespace simd {

@@ -8,6 +8,7 @@
 #include <immintrin.h>
 
 #include "simd_fp4_x86.h"
+#include "simd_int8_x86.h"
 #include "simd_ggml_avx512.h"
 
 namespace simd {

@@ -169,6 +169,19 @@ inline float q_quantize_block(const float* x, int8_t* q, int32_t* half_sums) {
   return amax / 127.f;
 }
 
+inline float fp4_quantize_block(const float* x, int8_t* evens, int8_t* odds, int32_t* lane_sums) {
+  float amax = 0.f;
+  for (int i = 0; i < 16; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  lane_sums[0] = lane_sums[1] = 0;
+  for (int i = 0; i < 16; ++i) {
+    const int8_t q = static_cast<int8_t>(std::nearbyint(x[i] * inv));
+    (i % 2 ? odds : evens)[i / 2] = q;
+    lane_sums[i / 8] += q;
+  }
+  return amax / 127.f;
+}
+
 inline void q_add_scaled(float* acc, const float* c, float k) {
   for (int i = 0; i < 4; ++i) acc[i] += c[i] * k;
 }
