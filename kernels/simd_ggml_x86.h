@@ -35,8 +35,8 @@ inline QScale q_half_scales(const float* s) { return _mm256_set_m128(_mm_set1_ps
 
 // 16 bytes of nibbles -> [low nibbles (elements 0-15) | high nibbles (16-31)]: the bytes loaded into
 // both halves, the upper half shifted by 4, one mask. Two vector operations where splitting and
-// joining halves took four; the decode is shared by a pass's rows, so it is 2 of the 10 a tile row's
-// block costs two rows of activations.
+// joining halves took four; a 4-row pass shares the decode, so it is 2 of the 18 a tile row's block
+// costs there, and 2 of 6 at one row.
 inline QCodes q4_decode(const uint8_t* qs) {
   const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
   return _mm256_and_si256(_mm256_srlv_epi64(raw, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0x0F));
