@@ -343,6 +343,14 @@ struct BlockTerms {
 
   // Rows j of a block whose weight is c[j] (4 tile rows) met by activation row g's sum `xsum`.
   void add(int g, const float* c, float xsum) { simd::q_add_scaled(v[g], c, xsum); }
+
+  // The tile's outputs of the G rows: each tile row's lanes (acc [PAIRS][G]) summed, plus its terms.
+  template <int PAIRS>
+  void store(const simd::QAcc (&acc)[PAIRS][G], float* y, int64_t out, int64_t first) const {
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < TILE && first + j < out; ++j)
+        y[g * out + first + j] = simd::q_reduce(acc[j / simd::QJ][g], j % simd::QJ) + v[g][j];
+  }
 };
 
 // A tile is read in chunks of CHUNK blocks (K-quants: sub-blocks), twice: first its scales in order
@@ -413,9 +421,7 @@ void ggml_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float
       for (int g = 0; g < G; ++g) acc[p][g] = a[g];
     }
   }
-  for (int g = 0; g < G; ++g)
-    for (int j = 0; j < TILE && first + j < out; ++j)
-      y[g * out + first + j] = simd::q_reduce(acc[j / simd::QJ][g], j % simd::QJ) + terms.v[g][j];
+  terms.store(acc, y, out, first);
 }
 
 // A Q4_K row's 8 sub-block scales and minima from its 12 bytes of 6-bit values (ggml's
@@ -498,20 +504,20 @@ void k_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* y
         for (int64_t line = 0; line < BYTES; line += 64)
           __builtin_prefetch(reinterpret_cast<const char*>(wc) + simd::PREFETCH + line);
       k_scales<T>(wc, k);
-      for (int s = 0; s < K_SUB; ++s)
+      for (int s = 0; s < K_SUB; ++s) {
+        float half_d[2][TILE];  // Q6_K: the 4 rows' d of each half, as BlockTerms takes them
+        for (int h = 0; h < 2; ++h)
+          for (int j = 0; j < TILE; ++j) half_d[h][j] = k.ds[s][j][h];
         for (int g = 0; g < G; ++g) {
           const int64_t b = (m0 + g) * blocks + (c0 + c) * K_SUB + s;
           scale.set(c * K_SUB + s, g, &k.ds[s][0][0], x.scales[b]);
           if constexpr (Q4K) {
             terms.add(g, k.ms[s], x.sum32[b]);
           } else {
-            for (int h = 0; h < 2; ++h) {
-              float half_d[TILE];
-              for (int j = 0; j < TILE; ++j) half_d[j] = k.ds[s][j][h];
-              terms.add(g, half_d, -32.f * x.sum16[2 * b + h]);
-            }
+            for (int h = 0; h < 2; ++h) terms.add(g, half_d[h], -32.f * x.sum16[2 * b + h]);
           }
         }
+      }
     }
     for (int p = 0; p < PAIRS; ++p) {
       const int j = p * simd::QJ;
@@ -527,9 +533,7 @@ void k_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* y
       for (int g = 0; g < G; ++g) acc[p][g] = a[g];
     }
   }
-  for (int g = 0; g < G; ++g)
-    for (int j = 0; j < TILE && first + j < out; ++j)
-      y[g * out + first + j] = simd::q_reduce(acc[j / simd::QJ][g], j % simd::QJ) + terms.v[g][j];
+  terms.store(acc, y, out, first);
 }
 
 template <Ggml T, int G>
