@@ -8,7 +8,8 @@ all at once (on a clean cache about 35 s each alone, 40 s for two together on 2 
 
 Tests run torch on one thread: with two OpenMP threads a tiny model's matmuls slowed 16x (62 s vs
 3.8 s for the same test) whenever another process loaded the 2 cores, because the threads spin at
-every barrier. Benchmarks, not tests, measure multi-threaded speed.
+every barrier. Benchmarks, not tests, measure multi-threaded speed. `make test` runs two pytest-xdist
+workers, so both cores work (the Makefile); each worker has its own session fixtures (broker, models).
 
 Tests import specloop as installed (`specloop.*`), never from the checkout's root: pytest runs in
 `importlib` mode (pyproject.toml), which puts no folder on `sys.path`, so the checkout's `kernels/`
