@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from specloop.daemon.evaluation.live import generate_stats
-from specloop.daemon.evaluation.step_cost import StepCost
+from specloop.daemon.evaluation.step_cost import HeldRows, StepCost
 from specloop.engine.model.transformer import Transformer
 from specloop.engine.runtime.verify_cost import best_num_drafts
 from specloop.engine.speculation.build import build_proposer
@@ -106,8 +106,9 @@ def _replay_group(proposer: Proposer, target: Transformer | None, seqs: list[Tok
         proposer.observe(list(range(len(rows))), [0] * len(rows), taps, tokens)
     # committed[b]: tokens committed so far (prompt + the prefill's first output token).
     committed = [len(s.prompt) + 1 for s in seqs]
+    held = HeldRows() if cost is not None and cost.dflash_write is not None else None  # DFlash's unwritten rows
     if cost is not None:
-        seconds = [cost.prefill_seconds(len(s.prompt)) for s in seqs]
+        seconds = [cost.prefill_seconds(len(s.prompt), held, b) for b, s in enumerate(seqs)]
     while True:
         live = [b for b, r in enumerate(rows) if committed[b] < len(r)]
         if not live:
@@ -121,7 +122,10 @@ def _replay_group(proposer: Proposer, target: Transformer | None, seqs: list[Tok
             confidence = torch.ones(proposed.shape) if confidence is None else confidence
             keep = best_num_drafts(confidence, lengths, cost.target, cost.exact_drafts(len(live)))
             proposed = proposed[:, :keep]
-            step_s = cost.seconds(len(live), keep + 1, _learned_rows(proposer, len(live)))
+            learned = [live[i] for i in _learned_rows(proposer, len(live))]
+            step_s = cost.seconds(len(live), keep + 1, len(learned), [held.take(b) for b in learned] if held else [])
+            if held is not None:  # the pass's positions are observed: held, or written past the limit
+                step_s += cost.write_seconds([held.observe(b, committed[b] - 1, keep + 1) for b in live])
             for b in live:
                 seconds[b] += step_s / len(live)
         for b, draft in zip(live, proposed.tolist(), strict=True):
@@ -142,11 +146,11 @@ def _replay_group(proposer: Proposer, target: Transformer | None, seqs: list[Tok
     return steps, done_by, seconds
 
 
-def _learned_rows(proposer: Proposer, batch: int) -> int:
-    """How many rows of the last `propose` DFlash drafted."""
+def _learned_rows(proposer: Proposer, batch: int) -> list[int]:
+    """The rows (batch indices) of the last `propose` that DFlash drafted."""
     if isinstance(proposer, CombinedProposer):
-        return proposer.last_learned_rows
-    return batch if isinstance(proposer, DFlashProposer) else 0
+        return proposer.last_learned
+    return list(range(batch)) if isinstance(proposer, DFlashProposer) else []
 
 
 def warm(proposer: Proposer, sequences: list[TokenSequence]) -> None:

@@ -35,7 +35,7 @@ class CombinedProposer(Proposer):
         self.dflash, self.lookup, self.min_score = dflash, lookup, min_score
         self.block_size = max(dflash.block_size, lookup.block_size)
         self.tap_layers = dflash.tap_layers
-        self.last_learned_rows = 0  # rows of the last `propose` that DFlash drafted
+        self.last_learned: list[int] = []  # rows (batch indices) of the last `propose` that DFlash drafted
 
     def allocate(self, num_slots: int, max_len: int) -> None:
         self.dflash.allocate(num_slots, max_len)
@@ -45,6 +45,7 @@ class CombinedProposer(Proposer):
         self.lookup.begin(slot, namespace)
 
     def release(self, slot: int, tokens: list[int]) -> None:
+        self.dflash.release(slot, tokens)
         self.lookup.release(slot, tokens)
 
     def observe(self, slots: list[int], starts: list[int], taps: list[torch.Tensor], token_ids: torch.Tensor) -> None:
@@ -60,7 +61,7 @@ class CombinedProposer(Proposer):
         if weighed:
             confidence[:, :found.shape[1]] = self.lookup.last_confidence
         rows = [b for b, score in enumerate(self.lookup.last_scores) if score < self.min_score]
-        self.last_learned_rows = len(rows)
+        self.last_learned = rows
         if rows:
             learned = self.dflash.propose([slots[b] for b in rows], [ctx_lens[b] for b in rows],
                                           last_tokens[rows], [histories[b] for b in rows])  # [R, k_dflash]

@@ -7,6 +7,13 @@ against the first `ctx_len` context rows of each slot (ragged lengths handled by
 returns argmax drafts through the target's own LM head, which is borrowed, never copied into the
 artifact. The block's own K/V are never cached: each propose starts from the context alone.
 
+`observe` only holds the tapped rows; they are written (fused, projected, cached) when a block is
+next drafted from that slot, all the positions held since in one call. Beside a lookup proposer
+(`engine/speculation/combined.py`) DFlash drafts on few steps (one in about twelve on the demo's
+formal-logic traffic, where suffix decoding drafts the rest), and writing a step's few positions cost
+about as much as writing a dozen: the call reads the fusion and projection weights whatever it
+writes.
+
 On the CPU both run in the C++ kernel (`FusedDrafter` in `engine/cpu/fused_decode.py`) when it builds:
 the block pass in one call instead of some 40 small eager ops, and the context writes in one call
 after the fusion linear. Measured in the engine (SmolLM2 bf16, one sequence, block 4, natural-length
@@ -28,6 +35,9 @@ from specloop.engine.model.transformer import Transformer
 from specloop.engine.speculation.dflash import DFlashDrafter
 from specloop.engine.speculation.proposer import Proposer
 
+# A slot's rows held unwritten before `observe` writes them: bounds the memory (3 taps ≈ 7 KB a position).
+HELD_POSITIONS = 256
+
 
 class DFlashProposer(Proposer):
     def __init__(self, drafter: DFlashDrafter, target: Transformer, block_size: int | None = None) -> None:
@@ -44,16 +54,47 @@ class DFlashProposer(Proposer):
         self.fused = fused_drafter(self.drafter)  # the C++ block pass on the CPU; None elsewhere
         self.cache: KVCache | None = None
         self.last_expected: list[float] = []  # per row of the last `propose`: drafts it expects accepted
+        # slot -> observed (start, tapped rows `[n, T·H]`) not yet written, contiguous, in position order
+        self._held: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        self.held_positions = HELD_POSITIONS  # 0: every observe writes at once (benchmarks compare the two)
 
     def allocate(self, num_slots: int, max_len: int) -> None:
         d = self.drafter
+        self._held.clear()
         self.cache = KVCache(d.config.model_config, num_slots, max_len, cache_dtype(self.target.dtype, self.target.device), self.target.device)
 
-    @torch.no_grad()
     def observe(self, slots: list[int], starts: list[int], taps: list[torch.Tensor], token_ids: torch.Tensor) -> None:
         assert self.cache is not None, "allocate() before observe()"
-        n = token_ids.shape[1]
-        fused = self.drafter.fuse(taps)  # [B, n, H]
+        rows = torch.cat(taps, dim=-1)  # [B, n, T·H]
+        for b, (slot, start) in enumerate(zip(slots, starts, strict=True)):
+            # A part from `start` on replaces what was held there (a verify block's rejected rows), and
+            # one from before the held ones (the slot's next sequence) replaces all of them.
+            held = [(s, r[:start - s]) for s, r in self._held.get(slot, []) if s < start]
+            assert not held or held[-1][0] + len(held[-1][1]) == start, "observed positions must be contiguous"
+            self._held[slot] = [*held, (start, rows[b].clone())]  # a copy: a view would hold the whole batch's
+        self.write([s for s in set(slots) if sum(len(r) for _, r in self._held[s]) > self.held_positions])
+
+    def release(self, slot: int, tokens: list[int]) -> None:
+        self._held.pop(slot, None)
+
+    @torch.no_grad()
+    def write(self, slots: list[int] | None = None) -> None:
+        """Write the held rows of `slots` (all when None) into the context cache: one call per number
+        of positions held (every slot has the same in steps where DFlash drafts at every step)."""
+        groups: dict[int, list[tuple[int, int, torch.Tensor]]] = {}  # positions -> [(slot, start, rows)]
+        for slot in list(self._held) if slots is None else slots:
+            parts = self._held.pop(slot, [])
+            if parts:
+                rows = torch.cat([r for _, r in parts])  # [n, T·H]
+                groups.setdefault(len(rows), []).append((slot, parts[0][0], rows))
+        for group in groups.values():
+            self._write([g[0] for g in group], [g[1] for g in group], torch.stack([g[2] for g in group]))
+
+    def _write(self, slots: list[int], starts: list[int], rows: torch.Tensor) -> None:
+        """Tapped rows `[B, n, T·H]` at positions `starts[b] ..` of `slots[b]` → the drafter's context K/V."""
+        assert self.cache is not None
+        n = rows.shape[1]
+        fused = self.drafter.fuse(list(rows.split(self.target.config.hidden_size, dim=-1)))  # [B, n, H]
         if self.fused is not None and self.cache.k.dtype == torch.float32:
             self.fused.write_context(fused, slots, starts, self.cache)
             return
@@ -75,8 +116,9 @@ class DFlashProposer(Proposer):
         return self.drafter.vocab_ids[ids] if self.drafter.trimmed else ids
 
     def block_logits(self, slots: list[int], ctx_lens: list[int], last_tokens: torch.Tensor) -> torch.Tensor:
-        """Draft logits `[B, k, V']` over the drafter's output vocabulary."""
+        """Draft logits `[B, k, V']` over the drafter's output vocabulary (the slots' held rows written first)."""
         assert self.cache is not None, "allocate() before propose()"
+        self.write(slots)
         device, B = self.target.device, len(slots)
         slot_t = torch.tensor(slots, dtype=torch.long, device=device)
         lens = torch.tensor(ctx_lens, dtype=torch.long, device=device)

@@ -8,7 +8,7 @@ import torch
 
 import specloop.daemon.evaluation.replay as replay_module
 from specloop.daemon.evaluation.replay import compare, replay
-from specloop.daemon.evaluation.step_cost import Linear, PassCost, StepCost
+from specloop.daemon.evaluation.step_cost import HeldRows, Linear, PassCost, StepCost
 from specloop.engine.speculation.combined import CombinedProposer
 from specloop.engine.speculation.dflash_proposer import DFlashProposer
 from specloop.engine.speculation.ngram import NgramProposer
@@ -33,6 +33,15 @@ class Scripted(StatelessProposer):
             nxt = nxt + [-1] * (self.num_drafts - len(nxt))
             rows.append([t if i < self.right else -1 for i, t in enumerate(nxt)])
         return torch.tensor(rows)
+
+
+class Confident(Scripted):
+    """Scripted drafts, each scored above any combined proposer's `min_score`."""
+
+    def propose(self, slots: list[int], ctx_lens: list[int], last_tokens: torch.Tensor,
+                histories: list[list[int]]) -> torch.Tensor:
+        self.last_scores = [float("inf")] * len(slots)
+        return super().propose(slots, ctx_lens, last_tokens, histories)
 
 
 SEQS = [TokenSequence((1, 2), tuple(range(10, 21))), TokenSequence((3,), (30, 31, 32, 33, 34))]
@@ -74,13 +83,40 @@ def test_modelled_seconds_follow_the_width_verified_and_are_shared_by_the_step()
     assert sum(silent.seconds) == pytest.approx(4 * 3.0 + 6 * 2.0 + 5)
 
 
-def test_a_prefill_costs_the_target_per_chunk_and_a_drafter_its_observe_of_every_prompt_token() -> None:
+def test_a_prefill_costs_the_target_per_chunk_and_a_drafter_the_writes_past_what_it_holds() -> None:
     plain = StepCost(target=line(1.0, 0.01), lookup=Linear(0.0, 0.0))
-    drafted = StepCost(target=line(1.0, 0.01), lookup=Linear(0.0, 0.0), dflash_observe=line(0.5, 0.001),
+    drafted = StepCost(target=line(1.0, 0.01), lookup=Linear(0.0, 0.0), dflash_write=line(0.5, 0.001),
                        dflash_propose=Linear(0.0, 0.0))
     # 300 prompt tokens: chunks of 128, 128 and 44, each a pass (1 s + 0.01 s a token).
     assert plain.prefill_seconds(300) == pytest.approx(3 + 3.0)
-    assert drafted.prefill_seconds(300) == pytest.approx(3 + 3.0 + 3 * 0.5 + 0.3)
+    # The drafter holds the first two chunks (256 positions, not over HELD_POSITIONS) and writes all
+    # 300 with the third, in one call (0.5 s + 0.001 s a position).
+    held = HeldRows()
+    assert drafted.prefill_seconds(300, held, 0) == pytest.approx(3 + 3.0 + 0.5 + 0.3)
+    assert drafted.prefill_seconds(200, held, 1) == pytest.approx(2 + 2.0) and held.take(1) == 200
+
+
+def test_held_rows_follow_the_drafters_rule() -> None:
+    held = HeldRows()
+    assert held.observe(0, 0, 100) == 0 and held.observe(0, 100, 4) == 0
+    assert held.observe(0, 102, 4) == 0  # two of the block's four were committed: the rest replaced
+    assert held.take(0) == 106 and held.take(0) == 0
+    assert held.observe(0, 106, 4) == 0 and held.observe(0, 108, 300) == 302  # past HELD_POSITIONS: written
+
+
+def test_a_drafter_pays_its_writes_only_on_the_steps_it_drafts() -> None:
+    # DFlash drafts every step: each step writes what the last one observed, one 4-wide block.
+    target = tiny_target()
+    seqs = [TokenSequence(tuple(range(1, 9)), tuple(range(20, 40)))]
+    write = line(1.0, 0.0)  # 1 s a call, whatever it writes
+    cost = StepCost(target=line(0.0, 0.0), lookup=Linear(0.0, 0.0), dflash_write=write,
+                    dflash_propose=Linear(0.0, 0.0))
+    alone = replay(DFlashProposer(tiny_drafter(target, block_size=4), target), seqs, target, cost=cost)
+    assert sum(alone.seconds) == pytest.approx(alone.steps)  # one write per step (the prompt's at the first)
+    # DFlash drafts no step (every row's lookup score clears min_score): nothing is written.
+    never = CombinedProposer(DFlashProposer(tiny_drafter(target, block_size=4), target),
+                             Confident([s.tokens for s in seqs], 4, right=3), min_score=1.0)
+    assert sum(replay(never, seqs, target, cost=cost).seconds) == 0.0
 
 
 def test_partly_right_drafts() -> None:

@@ -192,6 +192,7 @@ def test_drafter_block_matches_the_eager_drafter(dtype: torch.dtype) -> None:
     with torch.inference_mode():
         _, taps = target(tokens, taps=proposer.tap_layers)
         proposer.observe([0, 1, 2], [0, 0, 0], taps, tokens)
+        proposer.write()
         batch = AttnBatch.build([0, 1, 2], [0, 0, 0], 40, cpu, MAX_LEN)
         for layer, (k, v) in enumerate(proposer.drafter.context_kv(proposer.drafter.fuse(taps), batch.positions)):
             eager.write(layer, batch, k, v)

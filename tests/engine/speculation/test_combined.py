@@ -36,7 +36,7 @@ def test_combined_with_suffix_decoding_routes_by_score_and_pads_the_shorter_bloc
     assert both.block_size == 6
     drafts = both.propose([0, 1], [6, 3], torch.tensor([3, 6]), histories)
     assert drafts.tolist() == [[9, 1, 2, NO_DRAFT, NO_DRAFT], [0, 0, NO_DRAFT, NO_DRAFT, NO_DRAFT]]
-    assert both.last_learned_rows == 1
+    assert both.last_learned == [1]
 
 
 def test_below_min_score_the_draft_expected_to_go_further_wins() -> None:

@@ -66,6 +66,38 @@ def test_drafts_ignore_context_at_and_after_the_anchor() -> None:
     assert not torch.allclose(before, prop.block_logits([0], [10], tokens[0, 10:11]))
 
 
+def test_held_rows_are_written_as_each_observe_would_have_written_them() -> None:
+    """Observed rows are held until a block is drafted from their slot: a verify block's rejected tail,
+    replaced from the next step's start, and a slot's next sequence, starting again at 0, are written
+    as if every observe had written at once."""
+    lazy, tokens, taps = _proposer()
+    eager = DFlashProposer(lazy.drafter, lazy.target)
+    eager.allocate(4, 64)
+    g = torch.Generator().manual_seed(7)
+
+    def both(slots: list[int], starts: list[int], n: int) -> None:
+        parts = [torch.randn(len(slots), n, t.shape[-1], generator=g) for t in taps]
+        block = torch.zeros(len(slots), n, dtype=torch.long)
+        lazy.observe(slots, starts, parts, block)
+        eager.observe(slots, starts, parts, block)
+        eager.write()
+
+    both([0, 1], [0, 0], 12)  # prompts
+    both([0, 1], [12, 12], 4)  # a verify block each: row 0 commits 3 positions, row 1 one
+    both([0, 1], [15, 13], 4)
+    both([1], [0], 6)  # slot 1's next sequence
+    slots, lens, last = [0, 1], [17, 6], torch.tensor([3, 5])
+    torch.testing.assert_close(lazy.block_logits(slots, lens, last), eager.block_logits(slots, lens, last),
+                               atol=1e-5, rtol=1e-5)
+    for got, want in ((lazy.cache.k, eager.cache.k), (lazy.cache.v, eager.cache.v)):
+        torch.testing.assert_close(got[:, 0, :, :19], want[:, 0, :, :19], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[:, 1, :, :6], want[:, 1, :, :6], atol=1e-5, rtol=1e-5)
+    lazy.observe([2], [0], [t[:1, :5] for t in taps], tokens[:1, :5])
+    lazy.release(2, tokens[0, :5].tolist())  # a finished sequence's held rows are dropped, never written
+    lazy.write()
+    assert not lazy.cache.k[:, 2].any()
+
+
 def test_ragged_batch_matches_rows_alone() -> None:
     prop, tokens, taps = _proposer()
     prop.observe([2, 0], [0, 0], taps, tokens)
