@@ -18,10 +18,17 @@ which holds out a share of the prompts by hash and never sends them
   - live: the first `--live-prompts` held-out prompts generated greedily by the engine at each
     `--concurrency`; tokens/s = generated tokens / wall seconds (prefill included), against plain
     decoding in the same run; τ from the engine's counters; whether the tokens equal plain decoding's;
+    and the retrained drafter + suffix once more with DFlash writing its context at every step (as
+    before it held observed rows until it drafts), to show what holding them saves;
   - replayed: the target's greedy answers to every held-out prompt replayed 8 at a time in order
     (`daemon/evaluation/replay.py`), τ per position and the decode speed the daemon's contest models
     from this machine's step costs, with the paired-bootstrap gain over suffix alone.
 - the loop's gain: the retrained drafter + suffix over suffix alone, τ and tokens/s, live and replayed;
+- with `--weights dense gguf` (the formats with the file's base-model identity), all of the above
+  once per way the measured target holds its weights (the cycle itself runs as `make run` serves and
+  trains: dense bf16); and where `llama_cpp` is installed, llama.cpp on the GGUF's own weights
+  generating the same live prompts greedily at batch 1, the column every live row is also set
+  against (issue 37's comparison);
 - with `--other-recipe`, beside them a drafter trained afterwards on the run's own training traces,
   warm start, seed and budget with the demo policy's `training.skip_suffix_covered` flipped (anchoring
   blocks, or not, where suffix decoding drafts in the drafter's place), and its gain over suffix alone.
@@ -34,6 +41,7 @@ on 2 cores). This is not a test: it asserts nothing.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -53,6 +61,7 @@ from benchmarks.machine import describe  # noqa: E402
 from benchmarks.server_process import wait_ready  # noqa: E402
 from specloop.daemon.traffic.sender import traffic_split  # noqa: E402
 from specloop.daemon.training.prompts import prompt_set  # noqa: E402
+from specloop.engine.loaders.weight_format import WeightFormat  # noqa: E402
 from specloop.storage.broker import free_port  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -60,6 +69,9 @@ HELDOUT_FRACTION = 0.25  # `specloop replay`'s default, which `specloop up --dem
 MAX_TOKENS = 192  # as the demo traffic
 CONCURRENCY = 4  # the demo traffic's
 SUFFIX, SHIPPED, RETRAINED = "suffix", "v1 (shipped) + suffix", "retrained + suffix"
+# Live only: the retrained drafter + suffix with DFlash writing what it observes at every step, as it
+# did before it held the rows until it drafts (`engine/speculation/dflash_proposer.py`)
+WRITING = "retrained + suffix, written every step"
 RECIPE = "retrained, other recipe + suffix"  # `--other-recipe`: skip_suffix_covered flipped
 
 
@@ -73,6 +85,9 @@ def main() -> None:
     parser.add_argument("--prompts-file", type=Path, default=None, help='--prompts file: JSONL of {"messages": [...]}')
     parser.add_argument("--live-prompts", type=int, default=32, help="held-out prompts generated live per system")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--weights", nargs="+", choices=["dense", "gguf"], default=["dense"],
+                        help="how the measured target holds its weights, each measured in turn: the formats "
+                             "that keep the file's base-model identity, so the run's drafters serve on them")
     parser.add_argument("--other-recipe", action="store_true",
                         help="also train, after the cycle, a drafter on the run's dataset with the policy's "
                              "`training.skip_suffix_covered` flipped (same seed, warm start and budget), "
@@ -121,14 +136,20 @@ def main() -> None:
     recipe = other_recipe(data, decided["run"]["run_id"]) if args.other_recipe else None
     if recipe is not None:
         report["other_recipe"] = recipe[1]
-    report.update(systems(data, decided["run"]["run_id"], heldout, version, args.live_prompts, args.concurrency,
-                          None if recipe is None else recipe[0]))
+    if 1 in args.concurrency:
+        report["llama_cpp_c1"] = llama_cpp_live(heldout[:args.live_prompts])
+    report["measured"] = {kind: systems(data, decided["run"]["run_id"], heldout, version, args.live_prompts,
+                                        args.concurrency, WeightFormat(kind), None if recipe is None else recipe[0])
+                          for kind in args.weights}
+    for measured in report["measured"].values():
+        measured["vs_llama_cpp_c1"] = _vs_llama_cpp(measured["live_systems"], report.get("llama_cpp_c1"))
     png = data / "daemon" / "live_tau.png"
     if png.exists():
         shutil.copy(png, args.out.with_name(f"{args.out.stem}_live_tau.png"))
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: report.get(k) for k in ("cycle_seconds", "gate", "loop_gain", "other_recipe_gain")},
-                     indent=2))
+    print(json.dumps({"cycle_seconds": report.get("cycle_seconds"), "gate": report.get("gate"),
+                      **{kind: {k: m.get(k) for k in ("loop_gain", "other_recipe_gain", "vs_llama_cpp_c1")}
+                         for kind, m in report["measured"].items()}}, indent=2))
 
 
 def evals_mix(path: Path, count: int = 220, max_chars: int = 2000) -> Path:
@@ -237,10 +258,10 @@ def other_recipe(data: Path, run_id: str) -> tuple[Path, dict]:
 
 
 def systems(data: Path, run_id: str, heldout: list, version: str, live_prompts: int,
-            concurrency: list[int], recipe: Path | None = None) -> dict:
+            concurrency: list[int], weights: WeightFormat, recipe: Path | None = None) -> dict:
     """Suffix alone, v1 + suffix and the retrained drafter + suffix (and the other recipe's) on the
     held-out prompts, live and replayed, each over a fresh suffix cache warmed by the run's consented
-    traces."""
+    traces, on a target holding its weights as `weights` says (its own plain decoding the reference)."""
     import pyarrow.parquet as pq
     import torch
 
@@ -252,14 +273,14 @@ def systems(data: Path, run_id: str, heldout: list, version: str, live_prompts: 
     from specloop.engine.loaders.load import load_for_inference, resolve_device
     from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
     from specloop.engine.runtime.sequence import SamplingParams
-    from specloop.engine.speculation.build import build_proposer
+    from specloop.engine.speculation.build import build_proposer, dflash_of
     from specloop.engine.speculation.drafter_artifact import load_drafter, max_artifact_bytes
     from specloop.engine.speculation.proposer import Proposer
     from specloop.engine.speculation.suffix_cache import SuffixCache
     from specloop.storage.registry import DrafterRegistry
     from specloop.storage.sequences import TokenSequence
 
-    loaded = load_for_inference(None, torch.bfloat16, resolve_device(None))
+    loaded = load_for_inference(None, torch.bfloat16, resolve_device(None), weights)
     target, tok = loaded.model, loaded.tokenizer
     ids = [tok.encode(tok.apply_chat_template(list(p.messages))) for p in heldout]
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
@@ -274,8 +295,8 @@ def systems(data: Path, run_id: str, heldout: list, version: str, live_prompts: 
     registry = DrafterRegistry(f"sqlite:///{(data / 'registry' / 'mlflow.db').resolve()}",
                                data / "registry" / "artifacts")
     retrained = registry.version(loaded.fingerprint, version.removeprefix("v"))
-    artifacts = {SHIPPED: shipped_drafters()[loaded.fingerprint],
-                 RETRAINED: registry.download(retrained, data / "bench", max_artifact_bytes(target.config))}
+    artifacts = {SHIPPED: shipped_drafters()[loaded.fingerprint], RETRAINED: registry.download(
+        retrained, data / "bench" / weights.kind, max_artifact_bytes(target.config))}
     if recipe is not None:
         artifacts[RECIPE] = recipe
     names = (SUFFIX, *artifacts)
@@ -288,29 +309,35 @@ def systems(data: Path, run_id: str, heldout: list, version: str, live_prompts: 
             cache.add(namespace, tokens)
         if name == SUFFIX:
             return build_proposer("suffix", target, suffix_cache=cache)
-        return build_proposer("dflash+suffix", target, drafters[name], suffix_cache=cache)
+        built = build_proposer("dflash+suffix", target, drafters[RETRAINED if name == WRITING else name],
+                               suffix_cache=cache)
+        if name == WRITING:
+            dflash_of(built).held_positions = 0
+        return built
 
     costs = CostModel(target, [list(s.tokens) for s in answers[:8]], NAMESPACE)
     replayed = {}
     for name in names:
         p = proposer(name, NAMESPACE)
         replayed[name] = replay(p, answers, target, cost=costs.cost(p))
-        print("replayed", name, round(replayed[name].tau, 3), round(replayed[name].tokens_per_s, 1), flush=True)
+        print("replayed", weights.kind, name, round(replayed[name].tau, 3), round(replayed[name].tokens_per_s, 1),
+              flush=True)
     live = {}
     prompts = ids[:live_prompts]
     for c in concurrency:
         plain_s, _, plain_out = live_generation(loaded, None, prompts, c, MAX_TOKENS)
         row = {"plain": {"tokens_per_s": round(plain_s, 1)}}
-        for name in names:
+        for name in (*names, WRITING):
             # generate() serves tenant "": the proposer's cache holds the warm traces under that name
             tok_s, tau, outputs = live_generation(loaded, proposer(name, ""), prompts, c, MAX_TOKENS)
             row[name] = {"tokens_per_s": round(tok_s, 1), "speedup": round(tok_s / plain_s, 3),
                          "tau": round(tau, 3) if tau else None, "lossless": outputs == plain_out}
-            print("live", f"c{c}", name, json.dumps(row[name]), flush=True)
+            print("live", weights.kind, f"c{c}", name, json.dumps(row[name]), flush=True)
         live[f"c{c}"] = row
     gains = {name: paired_speed_gain(replayed[SUFFIX].seconds, replayed[name].seconds).to_json()
              for name in names[1:]}
     return {
+        **weights.card(),
         "retrained_version": retrained.label, "retrained_tags": dict(retrained.tags),
         "warm_traces": len(earlier), "replayed_heldout": {
             "sequences": len(answers), "response_tokens": sum(len(s.response) for s in answers),
@@ -324,6 +351,45 @@ def systems(data: Path, run_id: str, heldout: list, version: str, live_prompts: 
         "loop_gain": _loop_gain(replayed, live),
         **({"other_recipe_gain": _loop_gain(replayed, live, RECIPE)} if RECIPE in replayed else {}),
     }
+
+
+def llama_cpp_live(prompts: list) -> dict:
+    """llama.cpp (`llama_cpp`, on the GGUF's own weights) answering `prompts` greedily one at a time, as
+    the engine's live rows do: generated tokens over wall seconds, prefill included, at most
+    `MAX_TOKENS` each and ending at end-of-sequence. Its answers are its own (other numerics), so they
+    are not compared with the engine's. {} where llama_cpp is not installed."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return {}
+    from llama_cpp import Llama
+
+    from specloop.engine.loaders.load import read_stored_model
+
+    path, stored = read_stored_model(None)
+    tok = stored.tokenizer
+    ids = [tok.encode(tok.apply_chat_template(list(p.messages))) for p in prompts]
+    llm = Llama(model_path=str(path), n_ctx=2048, n_threads=os.cpu_count(), verbose=False)
+    eos = set(tok.eos_token_ids)
+
+    def answer(prompt: list[int]) -> int:
+        n = 0
+        for n, token in enumerate(llm.generate(prompt, top_k=1, temp=0.0, reset=True), start=1):
+            if token in eos or n == MAX_TOKENS:
+                break
+        return n
+
+    answer(ids[0])  # warm-up, as the engine measures its pass before its timed run
+    started = time.perf_counter()
+    generated = sum(answer(prompt) for prompt in ids)
+    seconds = time.perf_counter() - started
+    llm.close()
+    return {"prompts": len(ids), "generated_tokens": generated, "tokens_per_s": round(generated / seconds, 1)}
+
+
+def _vs_llama_cpp(live: dict, llama_cpp: dict | None) -> dict:
+    """Each live system's tokens/s at concurrency 1 over llama.cpp's."""
+    if not llama_cpp or "c1" not in live:
+        return {}
+    return {name: round(row["tokens_per_s"] / llama_cpp["tokens_per_s"], 3) for name, row in live["c1"].items()}
 
 
 def _loop_gain(replayed: dict, live: dict, system: str = RETRAINED) -> dict:
