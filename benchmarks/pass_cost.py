@@ -29,7 +29,7 @@ import torch
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # `benchmarks`; last, so no folder shadows a package
 from benchmarks.machine import describe  # noqa: E402
-from benchmarks.suffix_decoding import Systems  # noqa: E402
+from benchmarks.suffix_decoding import Systems, live  # noqa: E402
 from specloop.daemon.training.prompts import prompt_set  # noqa: E402
 from specloop.engine.loaders.load import load_for_inference, resolve_device  # noqa: E402
 from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine  # noqa: E402
@@ -85,27 +85,16 @@ def width_rule(loaded, answers: Path, prices: dict[str, PassCost], args: argpars
     earlier, prompts = seqs[:cut], [list(s.prompt) for s in seqs[cut:cut + args.live_prompts]]
     systems, out = Systems(loaded), {"earlier": cut, "prompts": len(prompts)}
     for c in (1, 8):
-        plain, plain_outputs = run_live(loaded, None, None, prompts, c, args.max_tokens)
+        plain, _, plain_outputs = live(loaded, None, prompts, c, args.max_tokens)
         out[f"plain_c{c}"] = round(plain, 1)
         for kind in ("suffix", "dflash+suffix"):
             for name, price in prices.items():  # back to back, so that the machine's state is shared
-                tok_s, outputs = run_live(loaded, systems.proposer(kind, earlier, ""), price, prompts, c,
-                                          args.max_tokens)
+                tok_s, _, outputs = live(loaded, systems.proposer(kind, earlier, ""), prompts, c, args.max_tokens,
+                                         verify_cost=price)
                 out[f"{kind}_c{c}_{name}"] = {"tokens_per_s": round(tok_s, 1), "speedup": round(tok_s / plain, 3),
                                               "lossless": outputs == plain_outputs}
                 print(kind, f"c{c}", name, out[f"{kind}_c{c}_{name}"], flush=True)
     return out
-
-
-def run_live(loaded, proposer, price: PassCost | None, prompts: list[list[int]], concurrency: int,
-             max_tokens: int) -> tuple[float, list[list[int]]]:
-    engine = LLMEngine(loaded.model, EngineConfig(num_slots=concurrency, max_len=2048),
-                       loaded.tokenizer.eos_token_ids, proposer)
-    if price is not None:
-        engine._verify_cost = price  # what the engine would have measured, so both prices share one run
-    started = time.perf_counter()
-    seqs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
-    return sum(len(s.output_ids) for s in seqs) / (time.perf_counter() - started), [s.output_ids for s in seqs]
 
 
 def main() -> None:

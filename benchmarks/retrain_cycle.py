@@ -16,8 +16,9 @@ which holds out a share of the prompts by hash and never sends them
 - after the stack stops, per system (suffix alone, v1 + suffix, the retrained drafter + suffix), each
   with a fresh suffix cache warmed by the run's consented traces (what serving held when it swapped):
   - live: the first `--live-prompts` held-out prompts generated greedily by the engine at each
-    `--concurrency`; tokens/s = generated tokens / wall seconds (prefill included), against plain
-    decoding in the same run; τ from the engine's counters; whether the tokens equal plain decoding's;
+    `--concurrency`, every engine pricing its verify passes by one measurement made for them all;
+    tokens/s = generated tokens / wall seconds (prefill included), against plain decoding in the same
+    run; τ from the engine's counters; whether the tokens equal plain decoding's;
     and the retrained drafter + suffix once more with DFlash writing its context at every step (as
     before it held observed rows until it drafts), to show what holding them saves;
   - replayed: the target's greedy answers to every held-out prompt replayed 8 at a time in order
@@ -266,6 +267,7 @@ def systems(data: Path, run_id: str, heldout: list, version: str, live_prompts: 
     import torch
 
     from benchmarks.suffix_decoding import live as live_generation
+    from benchmarks.suffix_decoding import shared_verify_cost
     from specloop.daemon.evaluation.replay import NAMESPACE, replay
     from specloop.daemon.evaluation.speed_gain import paired_speed_gain
     from specloop.daemon.evaluation.step_cost import CostModel
@@ -325,11 +327,12 @@ def systems(data: Path, run_id: str, heldout: list, version: str, live_prompts: 
     live = {}
     prompts = ids[:live_prompts]
     for c in concurrency:
-        plain_s, _, plain_out = live_generation(loaded, None, prompts, c, MAX_TOKENS)
+        price = shared_verify_cost(loaded, c)  # one calibration: the width rule then differs by proposer only
+        plain_s, _, plain_out = live_generation(loaded, None, prompts, c, MAX_TOKENS, price)
         row = {"plain": {"tokens_per_s": round(plain_s, 1)}}
         for name in (*names, WRITING):
             # generate() serves tenant "": the proposer's cache holds the warm traces under that name
-            tok_s, tau, outputs = live_generation(loaded, proposer(name, ""), prompts, c, MAX_TOKENS)
+            tok_s, tau, outputs = live_generation(loaded, proposer(name, ""), prompts, c, MAX_TOKENS, price)
             row[name] = {"tokens_per_s": round(tok_s, 1), "speedup": round(tok_s / plain_s, 3),
                          "tau": round(tau, 3) if tau else None, "lossless": outputs == plain_out}
             print("live", weights.kind, f"c{c}", name, json.dumps(row[name]), flush=True)

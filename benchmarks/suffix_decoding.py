@@ -14,8 +14,9 @@ Measured per system and set:
   decode speed the daemon's contest models for it from this machine's step costs
   (`daemon/evaluation/step_cost.py`), to check against the live figures;
 - live: the measured prompts through the engine at concurrency 1 and 8, greedy, at most
-  `--max-tokens` each; tokens/s = generated tokens / wall seconds, prefill included; τ from the
-  engine's counters (verify steps that carried a draft); whether the tokens equal plain decoding's.
+  `--max-tokens` each, every engine at a concurrency pricing its verify passes by one measurement;
+  tokens/s = generated tokens / wall seconds, prefill included; τ from the engine's counters (verify
+  steps that carried a draft); whether the tokens equal plain decoding's.
 Also the suffix cache's memory after streaming `--memory-responses` synthetic responses through it.
 
 Writes `benchmarks/results/suffix_decoding.json` (with the CPU, `benchmarks/machine.py`) and prints a
@@ -41,6 +42,7 @@ from specloop.daemon.shipped_drafters import shipped_drafters  # noqa: E402
 from specloop.engine.loaders.load import LoadedModel, load_for_inference, resolve_device  # noqa: E402
 from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from specloop.engine.runtime.sequence import SamplingParams  # noqa: E402
+from specloop.engine.runtime.verify_cost import PassCost, measure_pass, pass_shapes  # noqa: E402
 from specloop.engine.speculation.build import ProposerKind, build_proposer  # noqa: E402
 from specloop.engine.speculation.drafter_artifact import load_drafter  # noqa: E402
 from specloop.engine.speculation.proposer import Proposer  # noqa: E402
@@ -84,16 +86,22 @@ class Systems:
 
 
 def live(loaded: LoadedModel, proposer: Proposer | None, prompts: list[list[int]], concurrency: int,
-         max_tokens: int) -> tuple[float, float | None, list[list[int]]]:
-    """(tokens/s, τ or None, outputs) of generating every prompt in order at `concurrency`."""
+         max_tokens: int, verify_cost: PassCost | None = None) -> tuple[float, float | None, list[list[int]]]:
+    """(tokens/s, τ or None, outputs) of generating every prompt in order at `concurrency`; with
+    `verify_cost` (`shared_verify_cost`), the engine's width rule prices passes by it."""
     engine = LLMEngine(loaded.model, EngineConfig(num_slots=concurrency, max_len=2048),
-                       loaded.tokenizer.eos_token_ids, proposer)
+                       loaded.tokenizer.eos_token_ids, proposer, verify_cost=verify_cost)
     started = time.perf_counter()
     seqs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
     seconds = time.perf_counter() - started
     drafts = sum(s.spec.drafts for s in seqs)
     tau = 1 + sum(s.spec.accepted_tokens for s in seqs) / drafts if drafts else None
     return sum(len(s.output_ids) for s in seqs) / seconds, tau, [s.output_ids for s in seqs]
+
+
+def shared_verify_cost(loaded: LoadedModel, concurrency: int) -> PassCost:
+    """The pass cost an engine at `concurrency` measures for itself, measured once for every system."""
+    return measure_pass(loaded.model, pass_shapes(concurrency, EngineConfig(num_slots=concurrency).max_block_size))
 
 
 def measure_set(systems: Systems, name: str, path: Path, args: argparse.Namespace) -> dict:
@@ -105,6 +113,7 @@ def measure_set(systems: Systems, name: str, path: Path, args: argparse.Namespac
            "systems": {}}
     plain: dict[int, tuple[float, list[list[int]]]] = {}
     costs = CostModel(systems.loaded.model, [list(s.tokens) for s in measured[:8]], NAMESPACE)
+    prices = {c: shared_verify_cost(systems.loaded, c) for c in args.concurrency}  # one per concurrency, for all
     for kind in (k for k in SYSTEMS if k is None or k in args.systems):
         label = kind or "plain"
         row: dict = {}
@@ -115,7 +124,7 @@ def measure_set(systems: Systems, name: str, path: Path, args: argparse.Namespac
             row["modelled_tokens_per_s"] = round(stats.tokens_per_s, 1)
         for c in args.concurrency:
             proposer = systems.proposer(kind, earlier, "") if kind else None  # generate()'s tenant is ""
-            tok_s, tau, outputs = live(systems.loaded, proposer, prompts, c, args.max_tokens)
+            tok_s, tau, outputs = live(systems.loaded, proposer, prompts, c, args.max_tokens, prices[c])
             if kind is None:
                 plain[c] = (tok_s, outputs)
             row[f"c{c}"] = {"tokens_per_s": round(tok_s, 1), "speedup": round(tok_s / plain[c][0], 3),

@@ -123,19 +123,21 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, model: Transformer, config: EngineConfig, eos_token_ids: Seq[int],
                  proposer: Proposer | None = None, thread: TorchThread | None = None,
-                 drafter_version: str | None = None) -> None:
+                 drafter_version: str | None = None, verify_cost: PassCost | None = None) -> None:
         """`thread` runs the loop after `start()`: pass the one that built the model and this engine
         (see `engine/runtime/torch_thread.py`); without it, `start()` makes a new one.
-        `drafter_version` names `proposer`'s drafter (see `ServedDrafter`)."""
+        `drafter_version` names `proposer`'s drafter (see `ServedDrafter`). `verify_cost`: a pass cost
+        measured before, kept instead of measuring one (benchmarks comparing proposers share one: each
+        engine's own measurement moved by up to 30% on a shared VM, and the widths it picks with it)."""
         if config.max_len > model.rope_cos.shape[0]:
             raise ValueError(f"max_len {config.max_len} exceeds the model's {model.rope_cos.shape[0]} positions")
         self.model = model
         self.config = config
         self.eos = frozenset(eos_token_ids)
         self.runner = ModelRunner(model, config.num_slots, config.max_len, config.max_block_size)
-        self._verify_cost: PassCost | None = None
+        self._verify_cost: PassCost | None = verify_cost
         self._verify_cost_at = 0.0  # time.monotonic() of the last measurement
-        self._verify_cost_tries = 0
+        self._verify_cost_tries = 0 if verify_cost is None else REMEASURE_TRIES  # one given is kept
         self.drafter: ServedDrafter | None = None  # what new sequences get
         self._drafters: list[ServedDrafter] = []  # every drafter serving a sequence, and the current one
         if proposer:

@@ -95,3 +95,19 @@ def test_a_degenerate_fit_is_replaced_by_the_next_sound_one_which_is_kept(monkey
     assert engine.verify_cost == rising(0.01)
     engine._verify_cost_at -= 61
     assert engine.verify_cost == rising(0.01)
+
+
+def test_a_given_cost_is_kept_and_nothing_is_measured(monkeypatch) -> None:
+    """Benchmarks comparing proposers give every engine one measurement; even a degenerate one is kept."""
+    import specloop.engine.runtime.llm_engine as llm_engine
+    from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
+    from specloop.engine.speculation.ngram import NgramProposer
+
+    def measured(*_: object) -> PassCost:
+        raise AssertionError("a given cost is not measured again")
+
+    monkeypatch.setattr(llm_engine, "measure_pass", measured)
+    engine = LLMEngine(tiny(), EngineConfig(num_slots=2, max_len=64), [], NgramProposer(block_size=4),
+                       verify_cost=flat(0.5))
+    engine._verify_cost_at -= 61
+    assert engine.verify_cost == flat(0.5)
