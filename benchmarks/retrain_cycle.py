@@ -37,8 +37,10 @@ which holds out a share of the prompts by hash and never sends them
 Also reported: the cycle's wall-clock from the trigger (the run's start) to the gate's decision, each
 step's seconds, the gate's verdict and reason. A refused challenger is measured all the same (it is
 registered, never served). Writes `benchmarks/results/retrain_cycle.json` (`--out`) and copies the
-daemon's live-τ PNG beside it. Run: `.venv/bin/python benchmarks/retrain_cycle.py` (about 30-40 minutes
-on 2 cores). This is not a test: it asserts nothing.
+daemon's live-τ PNG beside it. `--again RESULT_JSON` runs no cycle and measures the systems again on
+the one an earlier result file records, while its data directory still exists. Run:
+`.venv/bin/python benchmarks/retrain_cycle.py` (about 30-40 minutes on 2 cores). This is not a test:
+it asserts nothing.
 """
 
 import argparse
@@ -93,18 +95,51 @@ def main() -> None:
                         help="also train, after the cycle, a drafter on the run's dataset with the policy's "
                              "`training.skip_suffix_covered` flipped (same seed, warm start and budget), "
                              "measured beside")
+    parser.add_argument("--again", type=Path, default=None, metavar="RESULT_JSON",
+                        help="run no cycle: measure the systems again on the one an earlier result file records "
+                             "(its data directory must still exist; pass its --prompts)")
     args = parser.parse_args()
-    data = args.data_dir or Path(tempfile.mkdtemp(prefix="specloop-cycle-"))
+    if args.again is not None and args.other_recipe:
+        parser.error("--other-recipe trains after a cycle; --again runs none")
+    earlier = json.loads(args.again.read_text()) if args.again is not None else None
+    data = Path(earlier["data_dir"]) if earlier else args.data_dir or Path(tempfile.mkdtemp(prefix="specloop-cycle-"))
     data.mkdir(parents=True, exist_ok=True)
     label = str(args.prompts_file or args.prompts)
     if args.prompts == "evals-mix":
         args.prompts, args.prompts_file = "file", evals_mix(data / "evals-mix.jsonl")
     _, heldout = traffic_split(prompt_set(args.prompts, args.prompts_file), HELDOUT_FRACTION)
+    report: dict = {"machine": describe(), "prompts": label, "heldout_prompts": len(heldout), "data_dir": str(data)}
+    if earlier:
+        report.update({"again": str(args.again), "run": earlier["run"], "gate": earlier["gate"]})
+    else:
+        report.update(cycle(data, args, heldout))
+    recipe = other_recipe(data, report["run"]["run_id"]) if args.other_recipe else None
+    if recipe is not None:
+        report["other_recipe"] = recipe[1]
+    if 1 in args.concurrency:
+        report["llama_cpp_c1"] = llama_cpp_live(heldout[:args.live_prompts])
+    report["measured"] = {kind: systems(data, report["run"]["run_id"], heldout, report["gate"]["version"],
+                                        args.live_prompts, args.concurrency, WeightFormat(kind),
+                                        None if recipe is None else recipe[0])
+                          for kind in args.weights}
+    for measured in report["measured"].values():
+        measured["vs_llama_cpp_c1"] = _vs_llama_cpp(measured["live_systems"], report.get("llama_cpp_c1"))
+    png = data / "daemon" / "live_tau.png"
+    if png.exists() and not earlier:
+        shutil.copy(png, args.out.with_name(f"{args.out.stem}_live_tau.png"))
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps({"cycle_seconds": report.get("cycle_seconds"), "gate": report.get("gate"),
+                      **{kind: {k: m.get(k) for k in ("loop_gain", "other_recipe_gain", "vs_llama_cpp_c1")}
+                         for kind, m in report["measured"].items()}}, indent=2))
+
+
+def cycle(data: Path, args: argparse.Namespace, heldout: list) -> dict:
+    """`specloop up --demo` on `data` until the gate has decided: the run, the gate's event, live τ of the
+    held-out prompts before and after, the champion after, and live τ of the demo's own traffic."""
     port, daemon_port = free_port(), free_port()
     url, daemon = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{daemon_port}"
     log = data / "up.log"
-    report: dict = {"machine": describe(), "prompts": label,
-                    "heldout_prompts": len(heldout), "data_dir": str(data)}
+    report: dict = {}
     source = ["--demo-prompts", args.prompts] + (["--demo-prompts-file", str(args.prompts_file)]
                                                  if args.prompts_file else [])
     started = time.monotonic()
@@ -134,23 +169,7 @@ def main() -> None:
         up.send_signal(signal.SIGTERM)
         up.wait(300)
     report["live_traffic"] = traffic_tau(data / "demo" / "traffic.jsonl")
-    recipe = other_recipe(data, decided["run"]["run_id"]) if args.other_recipe else None
-    if recipe is not None:
-        report["other_recipe"] = recipe[1]
-    if 1 in args.concurrency:
-        report["llama_cpp_c1"] = llama_cpp_live(heldout[:args.live_prompts])
-    report["measured"] = {kind: systems(data, decided["run"]["run_id"], heldout, version, args.live_prompts,
-                                        args.concurrency, WeightFormat(kind), None if recipe is None else recipe[0])
-                          for kind in args.weights}
-    for measured in report["measured"].values():
-        measured["vs_llama_cpp_c1"] = _vs_llama_cpp(measured["live_systems"], report.get("llama_cpp_c1"))
-    png = data / "daemon" / "live_tau.png"
-    if png.exists():
-        shutil.copy(png, args.out.with_name(f"{args.out.stem}_live_tau.png"))
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({"cycle_seconds": report.get("cycle_seconds"), "gate": report.get("gate"),
-                      **{kind: {k: m.get(k) for k in ("loop_gain", "other_recipe_gain", "vs_llama_cpp_c1")}
-                         for kind, m in report["measured"].items()}}, indent=2))
+    return report
 
 
 def evals_mix(path: Path, count: int = 220, max_chars: int = 2000) -> Path:
