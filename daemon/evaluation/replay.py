@@ -123,7 +123,8 @@ def _replay_group(proposer: Proposer, target: Transformer | None, seqs: list[Tok
             keep = best_num_drafts(confidence, lengths, cost.target, cost.exact_drafts(len(live)))
             proposed = proposed[:, :keep]
             learned = [live[i] for i in _learned_rows(proposer, len(live))]
-            step_s = cost.seconds(len(live), keep + 1, len(learned), [held.take(b) for b in learned] if held else [])
+            written = [held.take(b) for b in learned] if held is not None else []
+            step_s = cost.seconds(len(live), keep + 1, len(learned), written)
             if held is not None:  # the pass's positions are observed: held, or written past the limit
                 step_s += cost.write_seconds([held.observe(b, committed[b] - 1, keep + 1) for b in live])
             for b in live:

@@ -32,7 +32,7 @@ Not here: the replay (`replay.py`), judging a gain (`speed_gain.py`).
 """
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -86,14 +86,14 @@ class StepCost:
         """As the engine caps a step (`engine/runtime/verify_cost.py`, `exact_num_drafts`)."""
         return None if self.max_rows is None else max(0, self.max_rows // batch - 1)
 
-    def seconds(self, batch: int, width: int, learned_rows: int, written: list[int] = ()) -> float:
+    def seconds(self, batch: int, width: int, learned_rows: int, written: Iterable[int] = ()) -> float:
         """A step; `written`: the held positions of each row DFlash writes in it."""
         s = self.target(batch * width) + self.lookup(batch) + self.write_seconds(written)
         if self.dflash_propose is not None and learned_rows:
             s += self.dflash_propose(learned_rows)
         return s
 
-    def write_seconds(self, written: list[int]) -> float:
+    def write_seconds(self, written: Iterable[int]) -> float:
         """DFlash's writes of rows holding `written` positions each: one call per count, as it groups them."""
         if self.dflash_write is None:
             return 0.0
