@@ -229,7 +229,11 @@ class DFlashDrafter(nn.Module):
     def fuse(self, taps: list[torch.Tensor]) -> torch.Tensor:
         """Target layer outputs, each `[B, n, H]`, in `tap_layers` order → context features `[B, n, H]`."""
         assert len(taps) == len(self.config.tap_layers), f"got {len(taps)} taps for {self.config.tap_layers}"
-        return self.hidden_norm(self.fc(torch.cat(taps, dim=-1).to(self.fc.weight.dtype)))
+        return self.fuse_rows(torch.cat(taps, dim=-1))
+
+    def fuse_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """`fuse` of the taps already side by side, `[B, n, T·H]` → `[B, n, H]`."""
+        return self.hidden_norm(self.fc(rows.to(self.fc.weight.dtype)))
 
     def context_kv(self, fused: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's context keys/values `[B, Hkv, n, D]` for fused features `[B, n, H]` at positions `[B, n]`."""

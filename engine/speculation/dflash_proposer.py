@@ -97,7 +97,7 @@ class DFlashProposer(Proposer):
         """Tapped rows `[B, n, T·H]` at positions `starts[b] ..` of `slots[b]` → the drafter's context K/V."""
         assert self.cache is not None
         n = rows.shape[1]
-        fused = self.drafter.fuse(list(rows.split(self.target.config.hidden_size, dim=-1)))  # [B, n, H]
+        fused = self.drafter.fuse_rows(rows)  # [B, n, H]
         if self.fused is not None and self.cache.k.dtype == torch.float32:
             self.fused.write_context(fused, slots, starts, self.cache)
             return
