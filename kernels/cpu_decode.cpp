@@ -305,12 +305,15 @@ Packed pack_fp4_matrix(const at::Tensor& codes, const at::Tensor& scales, double
 // Activations meet GGUF blocks as int8, one fp32 scale per block of 32 (amax / 127, rounded to
 // nearest even); each block's products are then an exact integer sum (simd_ggml_x86.h). What a
 // block adds to every weight (Q4_0's -8 d, Q4_1's m; the K-quants' per sub-block) meets the
-// activations' block sum once per tile row and block (`BlockTerms`), apart from the lanes. Rows
-// are quantized alone, so a token's result does not depend on what else is in its pass.
+// activations' block sum once per tile row and block, apart from the products. Rows are quantized
+// alone, so a token's result does not depend on what else is in its pass.
 //
-// Tiles: per 4-row tile and block, each row's codes as stored, then the rows' fp16 scales (Q4_1: the
-// four d, then the four m), so a tile's block is one sequential read of 72 (Q4_0), 80 (Q4_1) or 136
-// (Q8_0) bytes: 4.5, 5 and 8.5 bits per weight, the file's own bytes.
+// Tiles: per 4-row tile and block, the rows' codes interleaved eight bytes at a time (row 0's bytes
+// 0-7, row 1's 0-7, .., row 3's, then each row's 8-15, ..), so that one 32-byte load holds the same
+// bytes of all four rows, then the rows' sub-block scales (K-quants, one row after another), then
+// their fp16 scales (Q4_1: the four d, then the four m; Q4_K: d, then dmin). A tile's block is one
+// sequential read of 72 (Q4_0), 80 (Q4_1), 136 (Q8_0), 576 (Q4_K) or 840 (Q6_K) bytes: 4.5, 5, 8.5,
+// 4.5 and 6.56 bits per weight, the file's own bytes.
 
 struct QuantizedQ8 {
   std::vector<int8_t> q;        // [M, in]
@@ -333,122 +336,82 @@ void prepare_q8_blocks(const float* x, int64_t M, int64_t in, QuantizedQ8& out) 
   }
 }
 
-// What G activation rows' blocks add to a tile's rows besides their lanes: per (activation row,
-// tile row), the sum over blocks of a per-block weight (Q4_0: d; Q4_1, Q4_K: m; Q6_K: d of each
-// half) times the activations' block (half-block) sum (Q4_0: times -8; Q6_K: -32). Added to the
-// lanes' total at the end.
+// Weights ahead of the tile block being read. simd::PREFETCH ahead: SmolLM2's 211 Q4_1 and Q8_0
+// matrices (96 MB) at one row took 12.45 ms without it and 5.60 ms with 4 KB (AVX-512 build, AMX
+// Xeon, 2 threads).
+template <int64_t BYTES>
+inline void prefetch_ahead(const uint8_t* block) {
+  if constexpr (simd::PREFETCH > 0)
+    for (int64_t line = 0; line < BYTES; line += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(block) + simd::PREFETCH + line);
+}
+
+// The G rows' outputs of a tile from their accumulators.
 template <int G>
-struct BlockTerms {
-  alignas(32) float v[G][TILE] = {};
+void store_tile(const simd::QAcc (&acc)[G], float* y, int64_t out, int64_t first) {
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < TILE && first + j < out; ++j) y[g * out + first + j] = simd::q_reduce(acc[g], j);
+}
 
-  // Rows j of a block whose weight is c[j] (4 tile rows) met by activation row g's sum `xsum`.
-  void add(int g, const float* c, float xsum) { simd::q_add_scaled(v[g], c, xsum); }
-
-  // The tile's outputs of the G rows: each tile row's lanes (acc [PAIRS][G]) summed, plus its terms.
-  template <int PAIRS>
-  void store(const simd::QAcc (&acc)[PAIRS][G], float* y, int64_t out, int64_t first) const {
-    for (int g = 0; g < G; ++g)
-      for (int j = 0; j < TILE && first + j < out; ++j)
-        y[g * out + first + j] = simd::q_reduce(acc[j / simd::QJ][g], j % simd::QJ) + v[g][j];
-  }
-};
-
-// A tile is read in chunks of CHUNK blocks (K-quants: sub-blocks), twice: first its scales in order
-// (bringing the chunk's bytes into L1, 5 KB of Q4_1), each tile row's d times each activation row's
-// block scale laid out as q_row_scales (one per row) or q_half_scales (two per row) reads them;
-// then tile row by tile row, its codes against every activation row. Only G accumulators are live in
-// the second pass, so G (simd::QROWS) can be 4 on AVX2's 16 registers and the codes are decoded once
-// for 4 rows of a verify pass. Scales from memory are broadcast loads; kept in registers, GCC 12
-// spent two shuffles spreading each one.
-constexpr int64_t CHUNK = 16;
-
-// One row of activations streams its tile block by block (a chunk of one): in chunks of 16 it was
-// slower than the kernel before chunks (SmolLM2's layer matrices at one row, Zen 3: 1.10x its time;
-// block by block 0.88x).
-constexpr int64_t chunk_blocks(int G) { return G == 1 ? 1 : CHUNK; }
-
-template <int G, int PER_ROW>
-struct ChunkScales {
-  alignas(32) float v[CHUNK][G][TILE * PER_ROW];
-
-  void set(int64_t c, int g, const float* d, float xs) { simd::q_scaled(d, xs, v[c][g], TILE * PER_ROW); }
-};
-
-// G rows of quantized activations against one GGUF tile of format T: each tile row's block is
-// decoded once and serves the G rows; one accumulator per (row, output), summed over the blocks in
-// order, so each output is formed the same way whatever G is.
+// G rows of quantized activations against one Q4_0, Q4_1 or Q8_0 tile, block by block: the four
+// rows' codes are decoded once for the G rows, one accumulator per activation row (its lanes two
+// per tile row) summed over the blocks in order, so each output is formed the same way whatever G is.
 template <Ggml T, int G>
 void ggml_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* y, int64_t in, int64_t out,
                     int64_t first) {
-  constexpr bool SIGNED = T == Ggml::Q8_0, MIN = T == Ggml::Q4_1;
+  using simd::QCodesKind;
+  constexpr bool MIN = T == Ggml::Q4_1;
   constexpr int64_t CODES = q_code_bytes(T), BYTES = q_tile_bytes(T);
-  constexpr int PAIRS = TILE / simd::QJ;  // accumulators per activation row
   const int64_t blocks = in / Q_BLOCK;
-  simd::QAcc acc[PAIRS][G];
-  for (int p = 0; p < PAIRS; ++p)
-    for (int g = 0; g < G; ++g) acc[p][g] = simd::q_zero();
-  BlockTerms<G> terms;
-  ChunkScales<G, 1> scale;
-  for (int64_t c0 = 0; c0 < blocks; c0 += chunk_blocks(G)) {
-    const int64_t n = std::min(chunk_blocks(G), blocks - c0);
-    for (int64_t c = 0; c < n; ++c) {
-      const uint8_t* wc = tile + (c0 + c) * BYTES;
-      // simd::PREFETCH ahead: SmolLM2's 211 Q4_1 and Q8_0 matrices (96 MB) at one row took 12.45 ms
-      // without it and 5.60 ms with 4 KB (AVX-512 build, AMX Xeon, 2 threads).
-      if constexpr (simd::PREFETCH > 0)
-        for (int64_t line = 0; line < BYTES; line += 64)
-          __builtin_prefetch(reinterpret_cast<const char*>(wc) + simd::PREFETCH + line);
-      alignas(32) float dm[2 * TILE] = {};
-      simd::q_scales(wc + TILE * CODES, dm, MIN ? 2 * TILE : TILE);
-      for (int g = 0; g < G; ++g) {
-        const int64_t b = (m0 + g) * blocks + c0 + c;
-        scale.set(c, g, dm, x.scales[b]);
-        if constexpr (T == Ggml::Q4_0) terms.add(g, dm, -8.f * x.sum32[b]);
-        if constexpr (MIN) terms.add(g, dm + TILE, x.sum32[b]);
+  simd::QAcc acc[G];
+  for (int g = 0; g < G; ++g) acc[g] = simd::q_zero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* wc = tile + b * BYTES;
+    prefetch_ahead<BYTES>(wc);
+    alignas(32) float dm[2 * TILE];
+    simd::q_scales(wc + TILE * CODES, dm, MIN ? 2 * TILE : TILE);
+    const simd::QScale d = simd::q_rows(dm), offset = simd::q_first(MIN ? dm + TILE : dm);
+    const simd::QBlock w = T == Ggml::Q8_0 ? simd::q8_block(wc) : simd::q4_block(wc);
+    for (int g = 0; g < G; ++g) {
+      const int64_t xb = (m0 + g) * blocks + b;
+      const int8_t* xq = x.q.data() + xb * Q_BLOCK;
+      if constexpr (T == Ggml::Q8_0) {
+        acc[g] = simd::q_madd<QCodesKind::Q8, 0, 4>(acc[g], w, simd::q_times(d, x.scales[xb]), xq);
+      } else {
+        acc[g] = simd::q_madd<QCodesKind::Q4, 0, 4>(acc[g], w, simd::q_times(d, x.scales[xb]), xq);
+        acc[g] = simd::q_add_scaled(acc[g], offset, MIN ? x.sum32[xb] : -8.f * x.sum32[xb]);
       }
-    }
-    for (int p = 0; p < PAIRS; ++p) {
-      const int j = p * simd::QJ;  // the first of the rows this accumulator holds
-      simd::QAcc a[G];
-      for (int g = 0; g < G; ++g) a[g] = acc[p][g];
-      for (int64_t c = 0; c < n; ++c) {
-        const uint8_t* wj = tile + (c0 + c) * BYTES + j * CODES;
-        const simd::QCodes w = SIGNED ? simd::q8_decode(wj) : simd::q4_decode(wj);
-        for (int g = 0; g < G; ++g)
-          a[g] = simd::q_madd<SIGNED>(a[g], w, simd::q_row_scales(&scale.v[c][g][j]),
-                                      x.q.data() + ((m0 + g) * blocks + c0 + c) * Q_BLOCK);
-      }
-      for (int g = 0; g < G; ++g) acc[p][g] = a[g];
     }
   }
-  terms.store(acc, y, out, first);
+  store_tile(acc, y, out, first);
 }
 
 // A Q4_K row's 8 sub-block scales and minima from its 12 bytes of 6-bit values (ggml's
 // get_scale_min_k4) and its fp16 d and dmin: w = d sc q - dmin mn, so the sub-block's d is d sc (in
-// both halves of ds[s], as Q6_K has two) and its m (as Q4_1's, added) is -(dmin mn), each one fp32
-// product as ggml forms them; sub-block s's lands at ds[s * ds_stride], ms[s * ms_stride].
-void q4k_sub_scales(const uint8_t* q, float d, float dmin, float* ds, int64_t ds_stride, float* ms,
-                    int64_t ms_stride) {
+// both halves, as Q6_K has two) and its m (as Q4_1's, added) is -(dmin mn), each one fp32 product
+// as ggml forms them; sub-block s's lands at ds[s * ds_stride] (and + half_stride), ms[s * ms_stride].
+void q4k_sub_scales(const uint8_t* q, float d, float dmin, float* ds, int64_t ds_stride, int64_t half_stride,
+                    float* ms, int64_t ms_stride) {
   for (int j = 0; j < K_SUB; ++j) {
     const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
     const int mn = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    ds[j * ds_stride] = ds[j * ds_stride + 1] = d * static_cast<float>(sc);
+    ds[j * ds_stride] = ds[j * ds_stride + half_stride] = d * static_cast<float>(sc);
     ms[j * ms_stride] = -(dmin * static_cast<float>(mn));
   }
 }
 
 // A Q6_K row's 16 int8 scales (one per 16 weights) times its fp16 d, as ggml forms them: sub-block s
-// of 32 takes the pair at ds[s * stride], one per half.
-void q6k_sub_scales(const uint8_t* q, float d, float* ds, int64_t stride) {
+// of 32 takes ds[s * stride] for its first half, ds[s * stride + half_stride] for its second.
+void q6k_sub_scales(const uint8_t* q, float d, float* ds, int64_t stride, int64_t half_stride) {
   for (int j = 0; j < K_SUB; ++j)
-    for (int h = 0; h < 2; ++h) ds[j * stride + h] = d * static_cast<float>(static_cast<int8_t>(q[2 * j + h]));
+    for (int h = 0; h < 2; ++h)
+      ds[j * stride + h * half_stride] = d * static_cast<float>(static_cast<int8_t>(q[2 * j + h]));
 }
 
-// A K-quant tile's super-block: every row's sub-block scales ([sub-block][row][half]) and minima
+// A K-quant tile's super-block: every row's sub-block scales ([sub-block][half][row]) and minima
 // (Q4_K; [sub-block][row]), unpacked once for all the rows of activations that meet it.
 struct KScales {
-  alignas(32) float ds[K_SUB][TILE][2];
+  alignas(32) float ds[K_SUB][2][TILE];
   alignas(32) float ms[K_SUB][TILE];
 };
 
@@ -460,80 +423,62 @@ void k_scales(const uint8_t* wc, KScales& k) {
   simd::q_scales(wc + TILE * (CODES + SUB), dm, Q4K ? 2 * TILE : TILE);
   for (int j = 0; j < TILE; ++j) {
     if constexpr (Q4K) {
-      q4k_sub_scales(wc + TILE * CODES + j * SUB, dm[j], dm[TILE + j], &k.ds[0][j][0], 2 * TILE, &k.ms[0][j], TILE);
+      q4k_sub_scales(wc + TILE * CODES + j * SUB, dm[j], dm[TILE + j], &k.ds[0][0][j], 2 * TILE, TILE, &k.ms[0][j],
+                     TILE);
     } else {
-      q6k_sub_scales(wc + TILE * CODES + j * SUB, dm[j], &k.ds[0][j][0], 2 * TILE);
+      q6k_sub_scales(wc + TILE * CODES + j * SUB, dm[j], &k.ds[0][0][j], 2 * TILE, TILE);
     }
   }
 }
 
-// QJ rows' codes of sub-block s: Q4_K's one nibble of 32 bytes (sub-block 2 i: the low nibbles of
-// bytes 32 i .. 32 i + 31; 2 i + 1: their high nibbles); Q6_K's 4 low bits from `ql` and 2 high from `qh`.
+// The tile's four rows' codes of sub-block s: Q4_K's one nibble of 32 bytes a row (sub-block 2 i:
+// the low nibbles of bytes 32 i .. 32 i + 31; 2 i + 1: their high nibbles); Q6_K's 4 low bits from
+// `ql` and 2 high from `qh`. Row byte b of a tile is at 4 b (pack_ggml interleaves by eight).
 template <Ggml T>
-simd::QCodes k_decode(const uint8_t* row, int s) {
+simd::QBlock k_decode(const uint8_t* codes, int s) {
   if constexpr (T == Ggml::Q4_K) {
-    return simd::q4k_decode(row + s / 2 * 32, q_code_bytes(T), s % 2);
+    return simd::q4k_block(codes + TILE * (s / 2 * 32), s % 2);
   } else {
-    return simd::q6k_decode(row, q_code_bytes(T), s);
+    return simd::q6k_block(codes, s);
   }
 }
 
 // `ggml_tile_rows` for K-quant tiles: per super-block, each row's 8 sub-block scales are unpacked once
 // (`k_scales`), then each sub-block of 32 meets the activations as a block of 32 does: Q4_K's as a Q4_1
-// block of those scales, Q6_K's (codes 0 .. 63 less 32) with each half of its lanes taking its scale.
+// block of those scales, Q6_K's (codes 0 .. 63 less 32) each half (parts 0-1, 2-3) with its scale.
 template <Ggml T, int G>
 void k_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* y, int64_t in, int64_t out,
                  int64_t first) {
-  constexpr bool Q4K = T == Ggml::Q4_K;
-  constexpr int PAIRS = TILE / simd::QJ;
-  constexpr int64_t CODES = q_code_bytes(T), BYTES = q_tile_bytes(T);
-  constexpr int64_t SUPERS = std::max<int64_t>(1, chunk_blocks(G) / K_SUB);
-  static_assert(SUPERS * K_SUB <= CHUNK, "a chunk's sub-blocks fit ChunkScales");
+  using simd::QCodesKind;
+  constexpr int64_t BYTES = q_tile_bytes(T);
   const int64_t supers = in / K_BLOCK, blocks = in / Q_BLOCK;
-  simd::QAcc acc[PAIRS][G];
-  for (int p = 0; p < PAIRS; ++p)
-    for (int g = 0; g < G; ++g) acc[p][g] = simd::q_zero();
-  BlockTerms<G> terms;
-  ChunkScales<G, 2> scale;  // by sub-block of the chunk
-  KScales k{};
-  for (int64_t c0 = 0; c0 < supers; c0 += SUPERS) {
-    const int64_t n = std::min(SUPERS, supers - c0);
-    for (int64_t c = 0; c < n; ++c) {
-      const uint8_t* wc = tile + (c0 + c) * BYTES;
-      if constexpr (simd::PREFETCH > 0)
-        for (int64_t line = 0; line < BYTES; line += 64)
-          __builtin_prefetch(reinterpret_cast<const char*>(wc) + simd::PREFETCH + line);
-      k_scales<T>(wc, k);
-      for (int s = 0; s < K_SUB; ++s) {
-        float half_d[2][TILE];  // Q6_K: the 4 rows' d of each half, as BlockTerms takes them
-        for (int h = 0; h < 2; ++h)
-          for (int j = 0; j < TILE; ++j) half_d[h][j] = k.ds[s][j][h];
-        for (int g = 0; g < G; ++g) {
-          const int64_t b = (m0 + g) * blocks + (c0 + c) * K_SUB + s;
-          scale.set(c * K_SUB + s, g, &k.ds[s][0][0], x.scales[b]);
-          if constexpr (Q4K) {
-            terms.add(g, k.ms[s], x.sum32[b]);
-          } else {
-            for (int h = 0; h < 2; ++h) terms.add(g, half_d[h], -32.f * x.sum16[2 * b + h]);
-          }
+  simd::QAcc acc[G];
+  for (int g = 0; g < G; ++g) acc[g] = simd::q_zero();
+  KScales k;
+  for (int64_t c = 0; c < supers; ++c) {
+    const uint8_t* wc = tile + c * BYTES;
+    prefetch_ahead<BYTES>(wc);
+    k_scales<T>(wc, k);
+    for (int s = 0; s < K_SUB; ++s) {
+      const simd::QBlock w = k_decode<T>(wc, s);
+      const simd::QScale d0 = simd::q_rows(k.ds[s][0]);
+      for (int g = 0; g < G; ++g) {
+        const int64_t xb = (m0 + g) * blocks + c * K_SUB + s;
+        const int8_t* xq = x.q.data() + xb * Q_BLOCK;
+        if constexpr (T == Ggml::Q4_K) {
+          acc[g] = simd::q_madd<QCodesKind::Q4, 0, 4>(acc[g], w, simd::q_times(d0, x.scales[xb]), xq);
+          acc[g] = simd::q_add_scaled(acc[g], simd::q_first(k.ms[s]), x.sum32[xb]);
+        } else {
+          const simd::QScale d1 = simd::q_rows(k.ds[s][1]);
+          acc[g] = simd::q_madd<QCodesKind::Q6, 0, 2>(acc[g], w, simd::q_times(d0, x.scales[xb]), xq);
+          acc[g] = simd::q_madd<QCodesKind::Q6, 2, 2>(acc[g], w, simd::q_times(d1, x.scales[xb]), xq);
+          acc[g] = simd::q_add_scaled(acc[g], simd::q_first(k.ds[s][0]), -32.f * x.sum16[2 * xb]);
+          acc[g] = simd::q_add_scaled(acc[g], simd::q_first(k.ds[s][1]), -32.f * x.sum16[2 * xb + 1]);
         }
       }
     }
-    for (int p = 0; p < PAIRS; ++p) {
-      const int j = p * simd::QJ;
-      simd::QAcc a[G];
-      for (int g = 0; g < G; ++g) a[g] = acc[p][g];
-      for (int64_t c = 0; c < n; ++c)
-        for (int s = 0; s < K_SUB; ++s) {
-          const simd::QCodes w = k_decode<T>(tile + (c0 + c) * BYTES + j * CODES, s);
-          for (int g = 0; g < G; ++g)
-            a[g] = simd::q_madd<false>(a[g], w, simd::q_half_scales(&scale.v[c * K_SUB + s][g][2 * j]),
-                                       x.q.data() + ((m0 + g) * blocks + (c0 + c) * K_SUB + s) * Q_BLOCK);
-        }
-      for (int g = 0; g < G; ++g) acc[p][g] = a[g];
-    }
   }
-  terms.store(acc, y, out, first);
+  store_tile(acc, y, out, first);
 }
 
 template <Ggml T, int G>
@@ -605,7 +550,9 @@ Packed pack_ggml_matrix(const at::Tensor& raw, int64_t type) {
   padded.narrow(0, 0, out).copy_(raw.view({out, blocks, block}));
   auto by_tile = padded.view({tiles, TILE, blocks, block}).transpose(1, 2);  // [tiles, blocks, 4, block]
   const bool last = t == Ggml::Q6_K;  // codes, sub-block scales, then d; else d (m, dmin) first
-  auto c = by_tile.narrow(3, last ? 0 : scales + sub, codes).reshape({tiles, blocks, TILE * codes});
+  auto c = by_tile.narrow(3, last ? 0 : scales + sub, codes)
+               .reshape({tiles, blocks, TILE, codes / 8, 8}).transpose(2, 3)
+               .reshape({tiles, blocks, TILE * codes});  // each row's bytes 8 i .. 8 i + 7, row after row
   auto k = by_tile.narrow(3, last ? codes : scales, sub).reshape({tiles, blocks, TILE * sub});
   auto s = by_tile.narrow(3, last ? codes + sub : 0, scales).reshape({tiles, blocks, TILE, scales / 2, 2}).transpose(2, 3)
                .reshape({tiles, blocks, TILE * scales});  // [d0 d1 d2 d3 (m0 m1 m2 m3)]
@@ -812,28 +759,25 @@ namespace {
 // for Q4_1 and Q4_K (Q4_K: d = d sc and m = -(dmin mn); Q6_K: d sc of each 16; as the kernel reads them).
 template <typename F>
 void each_block(const uint8_t* wc, Ggml t, int64_t rows, F f) {
-  alignas(64) int8_t q[simd::QJ * Q_BLOCK];
-  alignas(32) float dm[2 * TILE] = {};
-  const int64_t codes = q_code_bytes(t);
+  alignas(64) int8_t q[TILE][Q_BLOCK];
   if (k_quant(t)) {
-    KScales k{};
+    KScales k;
     t == Ggml::Q4_K ? k_scales<Ggml::Q4_K>(wc, k) : k_scales<Ggml::Q6_K>(wc, k);
-    for (int64_t j = 0; j < rows; ++j)
-      for (int s = 0; s < K_SUB; ++s) {
-        const int64_t first = j / simd::QJ * simd::QJ;  // the decode takes QJ rows
-        const uint8_t* row = wc + first * codes;
-        simd::q_store(q, t == Ggml::Q4_K ? k_decode<Ggml::Q4_K>(row, s) : k_decode<Ggml::Q6_K>(row, s), j % simd::QJ);
-        f(j, s, q, k.ds[s][j], t == Ggml::Q4_K ? k.ms[s][j] : 0.f);
+    for (int s = 0; s < K_SUB; ++s) {
+      simd::q_store(&q[0][0], t == Ggml::Q4_K ? k_decode<Ggml::Q4_K>(wc, s) : k_decode<Ggml::Q6_K>(wc, s));
+      for (int64_t j = 0; j < rows; ++j) {
+        const float d[2] = {k.ds[s][0][j], k.ds[s][1][j]};
+        f(j, s, q[j], d, t == Ggml::Q4_K ? k.ms[s][j] : 0.f);
       }
+    }
     return;
   }
-  simd::q_scales(wc + TILE * codes, dm, t == Ggml::Q4_1 ? 2 * TILE : TILE);
+  alignas(32) float dm[2 * TILE] = {};
+  simd::q_scales(wc + TILE * q_code_bytes(t), dm, t == Ggml::Q4_1 ? 2 * TILE : TILE);
+  simd::q_store(&q[0][0], t == Ggml::Q8_0 ? simd::q8_block(wc) : simd::q4_block(wc));
   for (int64_t j = 0; j < rows; ++j) {
-    const int64_t first = j / simd::QJ * simd::QJ;
-    simd::q_store(q, t == Ggml::Q8_0 ? simd::q8_decode(wc + first * codes) : simd::q4_decode(wc + first * codes),
-                  j % simd::QJ);
     const float both[2] = {dm[j], dm[j]};
-    f(j, 0, q, both, t == Ggml::Q4_1 ? dm[TILE + j] : 0.f);
+    f(j, 0, q[j], both, t == Ggml::Q4_1 ? dm[TILE + j] : 0.f);
   }
 }
 

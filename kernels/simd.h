@@ -32,27 +32,27 @@
 //                            each lane's activation sum: lane l adds the exact integer sum over
 //                            elements 8 l .. 8 l + 7 (offset removed) times w's scale times xs[l]
 //   fp4_zero, fp4_reduce     an empty accumulator; the sum of its lanes, by a fixed tree
-//   QJ                       tile rows one GGUF block accumulator holds (2 on AVX-512, else 1)
-//   QCodes, QAcc             QJ consecutive tile rows' codes of one 32-weight GGUF block, decoded; an
-//                            accumulator of 8 fp32 lanes per row for them (simd_ggml_x86.h says how)
+//   QBlock                   a GGUF tile's 4 rows' codes of one 32-weight block (K-quants: sub-block),
+//                            decoded from the tile's interleaved bytes (cpu_decode.cpp, "GGUF block rows")
+//   q4_block(qs), q8_block(qs)  a tile block's 64 nibble bytes (Q4_0, Q4_1) or 128 int8 (Q8_0) -> QBlock
+//   q4k_block(qs, high)      Q4_K: the low or high nibbles of the tile's 128 bytes at qs (32 per row)
+//   q6k_block(codes, s)      Q6_K: sub-block s of a tile's 768 code bytes -> codes 0 .. 63
+//   q_store(out, w)          row r's 32 codes to out[32 r ..] in element order (for tests)
+//   QAcc, QScale             8 fp32 lanes, two per tile row (lanes 2r, 2r + 1)
 //   q_scales(h, out, n)      n (4 or 8) fp16 scales -> fp32, exactly
-//   q_scaled(d, k, out, n)   out[i] = d[i] k, i < n (4 or 8): a tile's rows' scales times one number
-//   q_add_scaled(acc, c, k)  acc[i] += c[i] k, i < 4 (FMA on x86)
+//   q_rows(s), q_first(s)    QScale of 4 rows' numbers s[r] in both lanes of row r; in the first only
+//   q_times(s, k)            s k in every lane
+//   q_madd<C, FIRST, N>(acc, w, scale, xq)  acc + the 4 rows' products of the block's elements
+//                            8 FIRST .. 8 (FIRST + N) - 1 with int8 activations xq [32] (the block's):
+//                            lane 2r adds the exact integer sum over elements 0-3 of each eight, lane
+//                            2r + 1 over 4-7, times its lane of `scale`; C (QCodesKind) bounds the codes (Q4: 0 .. 15,
+//                            Q6: 0 .. 63, Q8: signed); offsets and minima are the caller's
+//   q_add_scaled(acc, c, k)  acc + c k, per lane: a block's offset or minimum times the activations' sum
+//   q_zero, q_reduce(acc, r) an empty accumulator; row r's two lanes added
 //   q_quantize_block(x, q, half_sums)  32 fp32 activations -> int8 codes round(x (127 / amax)), ties
 //                            to even; the codes' sums over each 16 in half_sums; returns amax / 127
 //   fp4_quantize_block(x, evens, odds, lane_sums)  the same for 16 activations, even elements' codes
 //                            to evens [8], odd ones' to odds [8], sums over each 8 in lane_sums
-//   q4_decode(qs), q8_decode(qs)  QJ rows' 16 nibble bytes (Q4_0, Q4_1) or 32 int8 (Q8_0) -> QCodes
-//   q4k_decode(qs, stride, high)  QJ rows' (stride bytes apart) low or high nibbles of 32 bytes (Q4_K)
-//   q6k_decode(codes, stride, s)  QJ rows' sub-block s of 192 Q6_K code bytes -> codes 0 .. 63
-//   q_half_scales(s)         QScale of each row's two half-block scales (Q6_K: one per 16 weights)
-//   q_row_scales(s)          QScale of each row's one number: s[r] for row r of the QJ
-//   q_madd<SIGNED>(acc, w, scale, xq)  acc + the rows' block products with int8 activations xq [32]:
-//                            lane l adds the exact integer sum over elements 4 l .. 4 l + 3 times
-//                            its row's scale (d times the activations' scale, already multiplied);
-//                            offsets and minima are the caller's, once per block and row
-//   q_zero, q_reduce(acc, r), q_store(out, w, r)  an empty accumulator; the sum of row r's lanes by a
-//                            fixed tree; row r's 32 codes (for tests)
 //
 // What stays the same on every path: products of bf16 weights and bf16-rounded activations are exact
 // in fp32 and summed in fp32; each output is summed by one fixed order whatever the number of rows,

@@ -1,7 +1,7 @@
 // The AVX-512 BF16 path of the kernels' vector layer (contract in simd.h): 16 fp32 lanes, bf16
 // products by VDPBF16PS. Built with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnni
-// -mfma -mf16c (F16C for the NVFP4 and GGUF scales, simd_fp4_x86.h; VNNI for GGUF blocks,
-// simd_ggml_avx512.h).
+// -mfma -mf16c (F16C for the NVFP4 and GGUF scales, simd_fp4_x86.h). GGUF blocks take the AVX2
+// form (simd_ggml_x86.h), 256-bit.
 
 #pragma once
 
@@ -9,14 +9,14 @@
 
 #include "simd_fp4_x86.h"
 #include "simd_int8_x86.h"
-#include "simd_ggml_avx512.h"
+#include "simd_ggml_x86.h"
 
 namespace simd {
 
 constexpr const char* ISA = "avx512_bf16";
 constexpr int W = 16;
 constexpr int ROWS = 4;  // 4 rows x 4 tile rows = 16 accumulators of the 32 registers
-constexpr int QROWS = 4;  // GGUF tiles, as ROWS
+constexpr int QROWS = 4;  // GGUF tiles, as on AVX2
 constexpr int REGS = 32;
 constexpr int64_t PART = 64;  // one register of weights
 // Bytes of weights prefetched ahead of the tile being read, as on AVX2 (simd_avx2.h). SmolLM2's 211

@@ -1,91 +1,138 @@
-// The AVX2 pieces of the kernels' vector layer (contract in simd.h) for GGUF's block formats Q4_0,
-// Q4_1 and Q8_0: 256-bit integer dot products, one tile row per accumulator (the AVX-512 build takes
-// two at once, simd_ggml_avx512.h).
+// The x86 pieces of the kernels' vector layer (contract in simd.h) for GGUF's block formats: 256-bit
+// integer dot products of a tile's four rows at once. The AVX2 and the AVX-512 builds both use them
+// (the AVX-512 build's own two-rows-per-register form was never run on an AVX-512 machine; this one
+// is the form the Zen 3 measures).
 //
 // A GGUF block is 32 weights along a row with fp16 scales: Q4_0 w = d (q - 8), Q4_1 w = d q + m
 // (q = 0 .. 15, elements 0-15 in the low nibbles of its 16 bytes, 16-31 in the high ones), Q8_0
-// w = d q (q int8). Activations meet them as int8, one fp32 scale per 32 (the block), as llama.cpp's
-// Q8_0/Q8_1 activations do. The 4-bit codes become 32 unsigned bytes in element order (a mask and a
-// shift), so VPMADDUBSW and VPMADDWD leave in 32-bit lane l the exact integer sum over elements
-// 4 l .. 4 l + 3; Q8_0's signed weights take the sign trick (|w| times x with w's sign). One fp32 FMA
-// per lane then applies d x activation scale; Q4_0's -8 and Q4_1's m are added per block, not here
-// (q_madd). The fp16 scales of a tile's four rows become fp32 in one VCVTPH2PS.
+// w = d q (q int8); the K-quants' sub-blocks of 32 read the same way (simd.h). `pack_ggml` interleaves
+// a tile's four rows' code bytes eight at a time, so one 32-byte load holds the same eight code bytes
+// of every row: [row 0 | row 1 | row 2 | row 3]. Decoded (a mask, a shift), each load is a `QPart`,
+// the four rows' codes of eight consecutive elements, and meets those eight activations broadcast to
+// all four rows: VPMADDUBSW leaves per row four int16 pairs, the parts of a block are added in int16
+// while they cannot overflow (Q4: all four; Q6_K: two), and one VPMADDWD makes per row two int32
+// lanes (elements 4-7 of each eight apart from 0-3), exact. One fp32 FMA then applies each row's d
+// times the activations' scale to its two lanes: per (activation row, tile, block) 4 VPMADDUBSW,
+// 3 VPADDW, 1 VPMADDWD, 1 conversion and 2 FMAs for 4 x 32 weights, where one row's block at a time
+// took a VPMADDUBSW, a VPMADDWD, a conversion and an FMA for each 32 (the kernel is bound by this
+// arithmetic at 4 rows, docs/performance.md). Q8_0's signed codes take the sign trick (|w| times x
+// with w's sign), and their pairs fill int16, so each part has its own VPMADDWD.
 
 #pragma once
 
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
-#include "simd_fp4_x86.h"
 #include "simd_half_x86.h"
 
 namespace simd {
 
-constexpr int QJ = 1;  // tile rows per accumulator
-using QAcc = __m256;
-using QCodes = __m256i;  // one row's 32 codes of a block: unsigned (Q4_*) or signed (Q8_0) bytes
-
-using QScale = __m256;  // a number in every lane
+using QPart = __m256i;  // 4 tile rows' codes of 8 consecutive elements, row r's in bytes 8r .. 8r + 7
+struct QBlock {
+  QPart part[4];  // elements 8k .. 8k + 7 in part k
+};
+using QAcc = __m256;    // lanes 2r, 2r + 1: tile row r's
+using QScale = __m256;  // a number per tile row, in both of its lanes
 
 inline QAcc q_zero() { return _mm256_setzero_ps(); }
-inline QScale q_row_scales(const float* s) { return _mm256_set1_ps(*s); }
-// Q6_K's two scales of a sub-block, s[0] for elements 0-15 (lanes 0-3), s[1] for 16-31.
-inline QScale q_half_scales(const float* s) { return _mm256_set_m128(_mm_set1_ps(s[1]), _mm_set1_ps(s[0])); }
 
-// 16 bytes of nibbles -> [low nibbles (elements 0-15) | high nibbles (16-31)]: the bytes loaded into
-// both halves, the upper half shifted by 4, one mask. Two vector operations where splitting and
-// joining halves took four; a 4-row pass shares the decode, so it is 2 of the 18 a tile row's block
-// costs there, and 2 of 6 at one row.
-inline QCodes q4_decode(const uint8_t* qs) {
-  const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
-  return _mm256_and_si256(_mm256_srlv_epi64(raw, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(0x0F));
+// 4 rows' numbers s[0 .. 3] -> [s0 s0 s1 s1 s2 s2 s3 s3]; only the first lane of each when `first`.
+inline QScale q_rows(const float* s) {
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(s)), _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0));
+}
+inline QScale q_first(const float* s) { return _mm256_blend_ps(q_rows(s), _mm256_setzero_ps(), 0xAA); }
+inline QScale q_times(QScale s, float k) { return _mm256_mul_ps(s, _mm256_set1_ps(k)); }
+
+// acc + c k: what a block adds to every weight (an offset or minimum, c = q_first of the rows'),
+// times the activations' block sum k.
+inline QAcc q_add_scaled(QAcc acc, QScale c, float k) { return _mm256_fmadd_ps(c, _mm256_set1_ps(k), acc); }
+
+// Four loads of the interleaved tile at p (32 bytes each), shifted right by `shift` bits and masked.
+inline QBlock q_parts(const uint8_t* p, int shift, uint8_t mask) {
+  QBlock w;
+  for (int k = 0; k < 4; ++k)
+    w.part[k] = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * k)), shift),
+                                 _mm256_set1_epi8(static_cast<char>(mask)));
+  return w;
 }
 
-// Q4_K: one nibble of 32 bytes (the high ones when `high`) -> 32 codes in element order; `stride`
-// (bytes between tile rows) is for the AVX-512 form, which takes two rows.
-inline QCodes q4k_decode(const uint8_t* qs, int64_t /*stride*/, bool high) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
-  return _mm256_and_si256(high ? _mm256_srli_epi16(raw, 4) : raw, _mm256_set1_epi8(0x0F));
+// Q4_0, Q4_1: a tile block's 64 code bytes. The first load holds each row's bytes 0-7 (elements 0-7
+// low, 16-23 high), the second its bytes 8-15 (8-15 low, 24-31 high).
+inline QBlock q4_block(const uint8_t* qs) {
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32));
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  return {{_mm256_and_si256(a, nibble), _mm256_and_si256(b, nibble), _mm256_and_si256(_mm256_srli_epi16(a, 4), nibble),
+           _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble)}};
 }
 
-// Q6_K sub-block s (0 .. 7) of a row's 192 code bytes: 4 low bits from `ql` (bytes 0-127), 2 high from
-// `qh` (128-191), as ggml lays them out -> 32 codes 0 .. 63 in element order.
-inline QCodes q6k_decode(const uint8_t* codes, int64_t /*stride*/, int s) {
+// Q8_0: a tile block's 128 code bytes, signed.
+inline QBlock q8_block(const uint8_t* qs) { return q_parts(qs, 0, 0xFF); }
+
+// Q4_K: 128 interleaved bytes (each row's 32 bytes of one pair of sub-blocks), their low or high nibbles.
+inline QBlock q4k_block(const uint8_t* qs, bool high) { return q_parts(qs, high ? 4 : 0, 0x0F); }
+
+// Q6_K sub-block s (0 .. 7) of a tile's 768 interleaved code bytes (each row's 128 of low nibbles, then
+// 64 of high 2-bit pairs, as ggml lays them out) -> codes 0 .. 63.
+inline QBlock q6k_block(const uint8_t* codes, int s) {
   const int half = s / 4, k = s % 4;
-  const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + half * 64 + (k & 1) * 32));
-  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 128 + half * 32));
-  const __m256i low = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128((k >> 1) * 4)), _mm256_set1_epi8(0x0F));
-  const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(3));
-  return _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+  const QBlock low = q_parts(codes + 4 * (half * 64 + (k & 1) * 32), (k >> 1) * 4, 0x0F);
+  const QBlock high = q_parts(codes + 4 * (128 + half * 32), 2 * k, 3);
+  QBlock w;
+  for (int p = 0; p < 4; ++p) w.part[p] = _mm256_or_si256(low.part[p], _mm256_slli_epi16(high.part[p], 4));
+  return w;
 }
 
-inline QCodes q8_decode(const uint8_t* qs) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)); }
-
-inline void q_store(int8_t* out, QCodes q, int /*row*/) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), q); }
-
-// Lane l: the exact integer sum of w x over elements 4 l .. 4 l + 3 of a block; w unsigned (<= 63
-// for Q4 and Q6_K, so a pair is at most 2 x 63 x 127, inside int16) or signed (Q8_0: |w| <= 128, a pair at
-// most 2 x 128 x 127 = 32,512, inside int16 too).
-template <bool SIGNED>
-inline __m256i q_lanes(QCodes w, const int8_t* xq) {
-  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-  const __m256i pairs = SIGNED ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
-                               : _mm256_maddubs_epi16(w, x);
-  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+// Row r's 32 codes to out[32 r .. 32 r + 31], in element order (for tests).
+inline void q_store(int8_t* out, const QBlock& w) {
+  alignas(32) int8_t part[32];
+  for (int k = 0; k < 4; ++k) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(part), w.part[k]);
+    for (int r = 0; r < 4; ++r) std::memcpy(out + 32 * r + 8 * k, part + 8 * r, 8);
+  }
 }
 
-// acc + one row's block against int8 activations xq [32]: the exact integer sum over elements
-// 4 l .. 4 l + 3 in lane l, times `scale` (d times the activations' scale, q_row_scales or
-// q_half_scales of those products). A block's offset (Q4_0's 8, Q6_K's 32) or minimum (Q4_1, Q4_K)
-// is the same for its 32 weights, so it meets the activations' block sum once per row, outside
-// (cpu_decode.cpp, `BlockTerms`): 4 vector operations per row and block, against 6 for Q4_1 and 7
-// for Q4_0 when they were added lane by lane here.
-template <bool SIGNED>
-inline QAcc q_madd(QAcc acc, QCodes w, QScale scale, const int8_t* xq) {
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q_lanes<SIGNED>(w, xq)), scale, acc);
+// The 8 activations at xq in every row's 8 bytes.
+inline __m256i q_broadcast8(const int8_t* xq) {
+  int64_t v;
+  std::memcpy(&v, xq, 8);
+  return _mm256_set1_epi64x(v);
 }
 
-inline float q_reduce(QAcc x, int /*row*/) { return fp4_reduce(x); }  // the same 8-lane tree
+// How a block's codes are bounded: unsigned 0 .. 15 (Q4_*), 0 .. 63 (Q6_K), or signed (Q8_0).
+enum class QCodesKind { Q4, Q6, Q8 };
+
+// acc + parts FIRST .. FIRST + N - 1 of a tile block against int8 activations xq [32] (the block's):
+// per row, the exact integer sums over elements 0-3 and 4-7 of each eight (lanes 2r and 2r + 1),
+// times `scale` (q_times of the rows' d by the activations' scale). |x| <= 127, so a VPMADDUBSW pair
+// is at most 2 x 15 x 127 (Q4), 2 x 63 x 127 (Q6_K) or 2 x 128 x 127 = 32,512 (Q8_0): int16 holds
+// four parts' of Q4 (15,240) and two of Q6_K (32,004), one of Q8_0.
+template <QCodesKind C, int FIRST, int N>
+inline QAcc q_madd(QAcc acc, const QBlock& w, QScale scale, const int8_t* xq) {
+  constexpr int GROUP = C == QCodesKind::Q4 ? 4 : C == QCodesKind::Q6 ? 2 : 1;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i sums = _mm256_setzero_si256();
+  for (int k0 = FIRST; k0 < FIRST + N; k0 += GROUP) {
+    __m256i pairs = _mm256_setzero_si256();
+    for (int k = k0; k < k0 + GROUP && k < FIRST + N; ++k) {
+      const __m256i x = q_broadcast8(xq + 8 * k);
+      const __m256i p = C == QCodesKind::Q8 ? _mm256_maddubs_epi16(_mm256_sign_epi8(w.part[k], w.part[k]),
+                                                                   _mm256_sign_epi8(x, w.part[k]))
+                                            : _mm256_maddubs_epi16(w.part[k], x);
+      pairs = k == k0 ? p : _mm256_add_epi16(pairs, p);
+    }
+    sums = k0 == FIRST ? _mm256_madd_epi16(pairs, ones) : _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, ones));
+  }
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc);
+}
+
+// Tile row r's total: its two lanes added.
+inline float q_reduce(QAcc acc, int r) {
+  alignas(32) float v[8];
+  _mm256_store_ps(v, acc);
+  return v[2 * r] + v[2 * r + 1];
+}
 
 }  // namespace simd

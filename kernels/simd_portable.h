@@ -112,28 +112,35 @@ inline float fp4_reduce(Fp4Acc x) {
   return reduce(v);
 }
 
-// GGUF blocks as on x86 (simd_ggml_x86.h): codes in element order, exact integer sums per lane of 4
-// elements, the offset or minimum through the activations' lane sums.
-constexpr int QJ = 1;
-using QAcc = Fp4Acc;
-struct QCodes {
-  int8_t q[32];  // Q4_*: 0 .. 15; Q8_0: as stored
+// GGUF blocks as on x86 (simd_ggml_x86.h): a tile's four rows at once, per row two lanes of exact
+// integer sums (elements 0-3 and 4-7 of each eight), each scaled by the row's number and added in
+// the same order.
+struct QBlock {
+  int8_t q[4][32];  // [tile row][element]: Q4_*: 0 .. 15; Q6_K: 0 .. 63; Q8_0: as stored
 };
-
-struct QScale {
-  float v[8];  // per lane
+struct QAcc {
+  float v[8];  // lanes 2r, 2r + 1: tile row r's
 };
+using QScale = QAcc;
 
 inline QAcc q_zero() { return {}; }
-inline QScale q_row_scales(const float* s) {
+inline QScale q_rows(const float* s) {
   QScale r;
-  for (float& v : r.v) v = *s;
+  for (int l = 0; l < 8; ++l) r.v[l] = s[l / 2];
   return r;
 }
-inline QScale q_half_scales(const float* s) {
+inline QScale q_first(const float* s) {
   QScale r;
-  for (int l = 0; l < 8; ++l) r.v[l] = s[l / 4];
+  for (int l = 0; l < 8; ++l) r.v[l] = l % 2 ? 0.f : s[l / 2];
   return r;
+}
+inline QScale q_times(QScale s, float k) {
+  for (float& v : s.v) v *= k;
+  return s;
+}
+inline QAcc q_add_scaled(QAcc acc, QScale c, float k) {
+  for (int l = 0; l < 8; ++l) acc.v[l] += c.v[l] * k;
+  return acc;
 }
 
 // fp16 -> fp32, exactly: normals and subnormals by their value, infinities and NaN kept.
@@ -151,10 +158,6 @@ inline void q_scales(const uint8_t* half, float* out, int n) {
     std::memcpy(&h, half + 2 * i, 2);
     out[i] = from_fp16(h);
   }
-}
-
-inline void q_scaled(const float* d, float k, float* out, int n) {
-  for (int i = 0; i < n; ++i) out[i] = d[i] * k;
 }
 
 inline float q_quantize_block(const float* x, int8_t* q, int32_t* half_sums) {
@@ -182,53 +185,59 @@ inline float fp4_quantize_block(const float* x, int8_t* evens, int8_t* odds, int
   return amax / 127.f;
 }
 
-inline void q_add_scaled(float* acc, const float* c, float k) {
-  for (int i = 0; i < 4; ++i) acc[i] += c[i] * k;
-}
+// Row r's byte b of a tile whose four rows' bytes are interleaved eight at a time (pack_ggml).
+inline uint8_t q_byte(const uint8_t* tile, int r, int b) { return tile[b / 8 * 32 + 8 * r + b % 8]; }
 
-inline QCodes q4_decode(const uint8_t* qs) {
-  QCodes w;
-  for (int i = 0; i < 16; ++i) {
-    w.q[i] = static_cast<int8_t>(qs[i] & 0xF);
-    w.q[i + 16] = static_cast<int8_t>(qs[i] >> 4);
-  }
+inline QBlock q4_block(const uint8_t* qs) {
+  QBlock w;
+  for (int r = 0; r < 4; ++r)
+    for (int i = 0; i < 16; ++i) {
+      w.q[r][i] = static_cast<int8_t>(q_byte(qs, r, i) & 0xF);
+      w.q[r][i + 16] = static_cast<int8_t>(q_byte(qs, r, i) >> 4);
+    }
   return w;
 }
 
-inline QCodes q4k_decode(const uint8_t* qs, int64_t /*stride*/, bool high) {
-  QCodes w;
-  for (int i = 0; i < 32; ++i) w.q[i] = static_cast<int8_t>(high ? qs[i] >> 4 : qs[i] & 0xF);
+inline QBlock q8_block(const uint8_t* qs) {
+  QBlock w;
+  for (int r = 0; r < 4; ++r)
+    for (int i = 0; i < 32; ++i) w.q[r][i] = static_cast<int8_t>(q_byte(qs, r, i));
   return w;
 }
 
-inline QCodes q6k_decode(const uint8_t* codes, int64_t /*stride*/, int s) {
-  const int half = s / 4, k = s % 4;
-  const uint8_t* ql = codes + half * 64 + (k & 1) * 32;
-  const uint8_t* qh = codes + 128 + half * 32;
-  QCodes w;
-  for (int i = 0; i < 32; ++i)
-    w.q[i] = static_cast<int8_t>(((ql[i] >> ((k >> 1) * 4)) & 0xF) | (((qh[i] >> (2 * k)) & 3) << 4));
+inline QBlock q4k_block(const uint8_t* qs, bool high) {
+  QBlock w;
+  for (int r = 0; r < 4; ++r)
+    for (int i = 0; i < 32; ++i) w.q[r][i] = static_cast<int8_t>(high ? q_byte(qs, r, i) >> 4 : q_byte(qs, r, i) & 0xF);
   return w;
 }
 
-inline QCodes q8_decode(const uint8_t* qs) {
-  QCodes w;
-  std::memcpy(w.q, qs, 32);
+inline QBlock q6k_block(const uint8_t* codes, int s) {
+  const int half = s / 4, k = s % 4, ql = half * 64 + (k & 1) * 32, qh = 128 + half * 32;
+  QBlock w;
+  for (int r = 0; r < 4; ++r)
+    for (int i = 0; i < 32; ++i)
+      w.q[r][i] = static_cast<int8_t>(((q_byte(codes, r, ql + i) >> ((k >> 1) * 4)) & 0xF) |
+                                      (((q_byte(codes, r, qh + i) >> (2 * k)) & 3) << 4));
   return w;
 }
 
-inline void q_store(int8_t* out, const QCodes& w, int /*row*/) { std::memcpy(out, w.q, 32); }
+inline void q_store(int8_t* out, const QBlock& w) { std::memcpy(out, w.q, sizeof(w.q)); }
 
-template <bool SIGNED>
-inline QAcc q_madd(QAcc acc, const QCodes& w, QScale scale, const int8_t* xq) {
+enum class QCodesKind { Q4, Q6, Q8 };
+
+template <QCodesKind C, int FIRST, int N>
+inline QAcc q_madd(QAcc acc, const QBlock& w, QScale scale, const int8_t* xq) {
   for (int l = 0; l < 8; ++l) {
+    const int r = l / 2, h = l % 2;
     int32_t s = 0;
-    for (int i = 4 * l; i < 4 * l + 4; ++i) s += static_cast<int32_t>(w.q[i]) * xq[i];
+    for (int k = FIRST; k < FIRST + N; ++k)
+      for (int i = 8 * k + 4 * h; i < 8 * k + 4 * h + 4; ++i) s += static_cast<int32_t>(w.q[r][i]) * xq[i];
     acc.v[l] += static_cast<float>(s) * scale.v[l];
   }
   return acc;
 }
 
-inline float q_reduce(QAcc x, int /*row*/) { return fp4_reduce(x); }
+inline float q_reduce(QAcc acc, int r) { return acc.v[2 * r] + acc.v[2 * r + 1]; }
 
 }  // namespace simd
