@@ -1097,13 +1097,19 @@ class Decoder {
     }
     const float scale = 1.0f / std::sqrt(static_cast<float>(d_));
     const int64_t group = hq_ / hkv_;
-    // One task per (sequence, KV head): its block's rows times the group's query heads share each
-    // key and value load.
-    at::parallel_for(0, (M / n) * hkv_, 1, [&](int64_t t0, int64_t t1) {
+    // A task per (sequence, KV head): its block's rows times the group's query heads share each key
+    // and value load. Where there are fewer than two such per thread (one sequence has SmolLM2's 3 KV
+    // heads for 2 threads, so one thread idled a third of the attention), each one's query rows are
+    // split into `parts` tasks, which read its keys and values again (from cache). A row's result does
+    // not depend on the rows beside it in `attend`, so neither on the split.
+    const int64_t heads = (M / n) * hkv_, per_head = n * group;
+    const int64_t parts = std::clamp<int64_t>((2 * at::get_num_threads() + heads - 1) / heads, 1, per_head);
+    at::parallel_for(0, heads * parts, 1, [&](int64_t t0, int64_t t1) {
       std::vector<float> scores, keys, values;
       std::vector<QueryRow> qrows;
       for (int64_t t = t0; t < t1; ++t) {
-        const int64_t b = t / hkv_, g = t % hkv_;
+        const int64_t b = t / parts / hkv_, g = t / parts % hkv_, part = t % parts;
+        const int64_t first = part * per_head / parts, last = (part + 1) * per_head / parts;  // of j group + h
         const int64_t base = (slot[b * n] * hkv_ + g) * T * d_;
         const float* k = kbase + base;
         const float* v = vbase + base;
@@ -1124,12 +1130,11 @@ class Decoder {
           v = values.data();
         }
         qrows.clear();
-        for (int64_t j = 0; j < n; ++j)
-          for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-            const int64_t m = b * n + j;
-            const int64_t len = block ? pos[b * n] + n : pos[m] + 1;
-            qrows.push_back({s.qkv.data() + m * rows + h * d_, len, s.attn.data() + m * q_size + h * d_});
-          }
+        for (int64_t i = first; i < last; ++i) {
+          const int64_t j = i / group, h = g * group + i % group, m = b * n + j;
+          const int64_t len = block ? pos[b * n] + n : pos[m] + 1;
+          qrows.push_back({s.qkv.data() + m * rows + h * d_, len, s.attn.data() + m * q_size + h * d_});
+        }
         attend(qrows, k, v, d_, scale, scores);
       }
     });

@@ -109,15 +109,39 @@ def test_rows_do_not_depend_on_the_batch(kernel: ModuleType, qtype: GGMLQuantiza
         assert torch.equal(kernel.linear_ggml(x[i:i + 1], tiles, 300, int(qtype)), batched[i:i + 1])
 
 
-def test_extreme_codes_stay_exact(kernel: ModuleType) -> None:
-    """Q8_0 codes of -128 and activations of +-127 are the largest pairs VPMADDUBSW sums in int16."""
-    out, n_in = 4, 64
-    raw = np.zeros((out, n_in // 32, 34), np.uint8)
-    raw[:, :, :2] = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)
-    raw[:, :, 2:] = np.int8(-128).view(np.uint8)
-    x = torch.full((1, n_in), -3.0)
-    got = kernel.linear_ggml(x, kernel.pack_ggml(torch.from_numpy(raw.reshape(out, -1)), 8), out, 8)
-    torch.testing.assert_close(got, torch.full((1, out), 0.5 * 128 * 3.0 * n_in), rtol=1e-6, atol=0)
+def extreme_blocks(qtype: GGMLQuantizationType, out: int, n_in: int) -> tuple[np.ndarray, float]:
+    """Rows of `qtype` whose every weight is the code farthest from zero (Q8_0: -128; Q4_1: 15; Q6_K:
+    63 less 32) at d = 0.5 (Q6_K: sub-block scales 1), as the file stores them, and that weight."""
+    half = np.frombuffer(np.float16(0.5).tobytes(), np.uint8)
+    if qtype == GGMLQuantizationType.Q8_0:
+        raw = np.zeros((out, n_in // 32, 34), np.uint8)
+        raw[:, :, :2] = half
+        raw[:, :, 2:] = np.int8(-128).view(np.uint8)
+        return raw.reshape(out, -1), 0.5 * -128
+    if qtype == GGMLQuantizationType.Q4_1:
+        raw = np.zeros((out, n_in // 32, 20), np.uint8)
+        raw[:, :, :2] = half  # d, then m = 0
+        raw[:, :, 4:] = 0xFF
+        return raw.reshape(out, -1), 0.5 * 15
+    raw = np.zeros((out, n_in // 256, 210), np.uint8)
+    raw[:, :, :192] = 0xFF  # every 4-bit and 2-bit part set: code 63
+    raw[:, :, 192:208] = 1
+    raw[:, :, 208:] = half
+    return raw.reshape(out, -1), 0.5 * (63 - 32)
+
+
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1, Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_extreme_codes_stay_exact(kernel: ModuleType, qtype: GGMLQuantizationType, sign: float) -> None:
+    """The largest codes against activations of +-127 are the largest products the kernel sums in int16
+    (Q8_0's pairs, four parts of Q4, two of Q6_K): the sums stay exact, for 1 and 4 rows."""
+    out, n_in = 8, 512
+    raw, weight = extreme_blocks(qtype, out, n_in)
+    tiles = kernel.pack_ggml(torch.from_numpy(np.ascontiguousarray(raw)), int(qtype))
+    x = torch.full((4, n_in), 3.0 * sign)
+    for rows in (1, 4):
+        got = kernel.linear_ggml(x[:rows], tiles, out, int(qtype))
+        torch.testing.assert_close(got, torch.full((rows, out), weight * 3.0 * sign * n_in), rtol=1e-6, atol=0)
 
 
 def test_bad_input_is_refused(kernel: ModuleType) -> None:

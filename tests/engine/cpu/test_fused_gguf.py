@@ -16,6 +16,7 @@ from specloop.engine.cpu.linear import optimize_for_cpu_inference
 from specloop.engine.loaders.load import load_for_inference, load_model
 from specloop.engine.loaders.weight_format import WeightFormat
 from specloop.engine.model.config import ModelConfig
+from specloop.engine.model import gguf_linear
 from specloop.engine.model.gguf_linear import GgufBlocks, GgufLinear, apply_gguf, stack
 from specloop.engine.model.kv_cache import AttnBatch, KVCache
 from specloop.engine.model.nvfp4_linear import linear_modules
@@ -25,6 +26,7 @@ from specloop.engine.runtime.sampler import SamplingParams
 from specloop.engine.speculation.dflash_proposer import DFlashProposer
 from specloop.engine.speculation.ngram import NgramProposer
 from specloop.kernels.cpu_decode import cpu_plan, load
+from specloop.kernels.cpu_features import CpuPlan
 from tests.dflash_helpers import plain_and_speculative, tiny_drafter, tiny_target
 from tests.kernels.test_cpu_ggml import Q4_K, Q6_K, k_quant_blocks
 
@@ -55,11 +57,15 @@ def to_gguf(model: Transformer) -> tuple[Transformer, Transformer]:
 
 @pytest.mark.usefixtures("kernel_isa")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fused_gguf_matches_the_eager_model(tiny_llama_dir: Path, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("onednn_bf16", [False, True], ids=["kernel prefill", "dense prefill"])
+def test_fused_gguf_matches_the_eager_model(tiny_llama_dir: Path, dtype: torch.dtype, onednn_bf16: bool,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = cpu_plan()
+    monkeypatch.setattr(gguf_linear, "cpu_plan", lambda: CpuPlan(plan.isa, onednn_bf16, plan.reason))
     fused, reference = to_gguf(load_model(tiny_llama_dir, dtype, CPU).model)
     tokens = torch.randint(0, 300, (2, 90), generator=torch.Generator().manual_seed(0))
     # Prefills of 2 x 19 rows (past the fused pass's 32: the layers' kernel calls) and 2 x 50 (past
-    # KERNEL_ROWS: the dequantized weights), then decode steps through the fused pass.
+    # KERNEL_ROWS: with native bf16, the dequantized weights), then decode steps through the fused pass.
     passes = [([1, 0], [0, 0], 19), ([1, 0], [19, 19], 19), ([1, 0], [38, 38], 50), ([1, 0], [88, 88], 1),
               ([0, 1], [89, 89], 1)]
     caches = {id(m): KVCache(m.config, 2, 2 * MAX_LEN, torch.float32, CPU) for m in (fused, reference)}
@@ -96,7 +102,7 @@ def test_k_quant_layers_match_the_eager_model() -> None:
     tokens = torch.randint(0, 64, (1, 80), generator=torch.Generator().manual_seed(0))
     caches = {id(m): KVCache(config, 1, 128, torch.float32, CPU) for m in (fused, reference)}
     with torch.inference_mode():
-        for start, n in ((0, 70), (70, 4), (74, 1)):  # dense-weight prefill, a verify-sized pass, a step
+        for start, n in ((0, 70), (70, 4), (74, 1)):  # a prefill, a verify-sized pass, a step
             batch = AttnBatch.build([0], [start], n, CPU, 128)
             (got, _), (want, _) = (m(tokens[:, start:start + n], caches[id(m)], batch) for m in (fused, reference))
             got_logits, want_logits = fused.logits(got), reference.logits(want)
