@@ -460,20 +460,21 @@ void k_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* y
     prefetch_ahead<BYTES>(wc);
     k_scales<T>(wc, k);
     for (int s = 0; s < K_SUB; ++s) {
+      // The sub-block's decoded codes, each half's d and its offset (Q4_K: its minimum), for all G rows.
       const simd::QBlock w = k_decode<T>(wc, s);
-      const simd::QScale d0 = simd::q_rows(k.ds[s][0]);
+      const simd::QScale d0 = simd::q_rows(k.ds[s][0]), d1 = simd::q_rows(k.ds[s][1]);
+      const simd::QScale off0 = simd::q_first(T == Ggml::Q4_K ? k.ms[s] : k.ds[s][0]), off1 = simd::q_first(k.ds[s][1]);
       for (int g = 0; g < G; ++g) {
         const int64_t xb = (m0 + g) * blocks + c * K_SUB + s;
         const int8_t* xq = x.q.data() + xb * Q_BLOCK;
         if constexpr (T == Ggml::Q4_K) {
           acc[g] = simd::q_madd<QCodesKind::Q4, 0, 4>(acc[g], w, simd::q_times(d0, x.scales[xb]), xq);
-          acc[g] = simd::q_add_scaled(acc[g], simd::q_first(k.ms[s]), x.sum32[xb]);
+          acc[g] = simd::q_add_scaled(acc[g], off0, x.sum32[xb]);
         } else {
-          const simd::QScale d1 = simd::q_rows(k.ds[s][1]);
           acc[g] = simd::q_madd<QCodesKind::Q6, 0, 2>(acc[g], w, simd::q_times(d0, x.scales[xb]), xq);
           acc[g] = simd::q_madd<QCodesKind::Q6, 2, 2>(acc[g], w, simd::q_times(d1, x.scales[xb]), xq);
-          acc[g] = simd::q_add_scaled(acc[g], simd::q_first(k.ds[s][0]), -32.f * x.sum16[2 * xb]);
-          acc[g] = simd::q_add_scaled(acc[g], simd::q_first(k.ds[s][1]), -32.f * x.sum16[2 * xb + 1]);
+          acc[g] = simd::q_add_scaled(acc[g], off0, -32.f * x.sum16[2 * xb]);
+          acc[g] = simd::q_add_scaled(acc[g], off1, -32.f * x.sum16[2 * xb + 1]);
         }
       }
     }

@@ -38,7 +38,7 @@ using QScale = __m256;  // a number per tile row, in both of its lanes
 
 inline QAcc q_zero() { return _mm256_setzero_ps(); }
 
-// 4 rows' numbers s[0 .. 3] -> [s0 s0 s1 s1 s2 s2 s3 s3]; only the first lane of each when `first`.
+// 4 rows' numbers s[0 .. 3] -> [s0 s0 s1 s1 s2 s2 s3 s3] (q_rows), or [s0 0 s1 0 s2 0 s3 0] (q_first).
 inline QScale q_rows(const float* s) {
   return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(s)), _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0));
 }

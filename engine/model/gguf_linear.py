@@ -7,7 +7,7 @@ the kernel's tiles of those blocks: the file's bytes reordered, 4.5 (Q4_0, Q4_K)
 (Q6_K) or 8.5 (Q8_0) bits per weight, and nothing else. No dense copy is kept: passes run on the
 tiles, but where oneDNN has native bf16 (AVX-512 BF16, AMX) passes of more than `KERNEL_ROWS` rows
 (prefill chunks) multiply a bf16 copy made for that pass and dropped after it. Without it the kernel
-is the faster at every size: on the Zen 3, 256 rows of a layer matrix took 0.64-0.74x the time of
+is the faster at every size: on the Zen 3, 256 rows of a layer matrix took 0.63-0.73x the time of
 dequantizing to fp32 and one fp32 GEMM (docs/performance.md). The LM head always runs on the tiles,
 so that a token's logits never depend on how many rows its pass had (prompt log-probs ask for a
 whole chunk's). A fused module (qkv, gate_up) stacks the rows of its parts, which must
