@@ -25,9 +25,10 @@ which holds out a share of the prompts by hash and never sends them
     (`daemon/evaluation/replay.py`), τ per position and the decode speed the daemon's contest models
     from this machine's step costs, with the paired-bootstrap gain over suffix alone.
 - the loop's gain: the retrained drafter + suffix over suffix alone, τ and tokens/s, live and replayed;
-- with `--weights dense gguf` (the formats with the file's base-model identity), all of the above
-  once per way the measured target holds its weights (the cycle itself runs as `make run` serves and
-  trains: dense bf16); and where `llama_cpp` is installed, llama.cpp on the GGUF's own weights
+- per `--weights` (`gguf`, what `make run` serves the SmolLM2 GGUF as, by default; `dense gguf`: both
+  formats with the file's base-model identity), all of the above once per way the measured target
+  holds its weights (the cycle itself serves and trains as `make run` does: weights `auto`, so `gguf`
+  on a CPU where the kernel builds); and where `llama_cpp` is installed, llama.cpp on the GGUF's own weights
   generating the same live prompts greedily at batch 1, the column every live row is also set
   against (issue 37's comparison);
 - with `--other-recipe`, beside them a drafter trained afterwards on the run's own training traces,
@@ -88,7 +89,7 @@ def main() -> None:
     parser.add_argument("--prompts-file", type=Path, default=None, help='--prompts file: JSONL of {"messages": [...]}')
     parser.add_argument("--live-prompts", type=int, default=32, help="held-out prompts generated live per system")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--weights", nargs="+", choices=["dense", "gguf"], default=["dense"],
+    parser.add_argument("--weights", nargs="+", choices=["dense", "gguf"], default=["gguf"],
                         help="how the measured target holds its weights, each measured in turn: the formats "
                              "that keep the file's base-model identity, so the run's drafters serve on them")
     parser.add_argument("--other-recipe", action="store_true",
@@ -263,7 +264,7 @@ def other_recipe(data: Path, run_id: str) -> tuple[Path, dict]:
     policy = load_policy(Path(__file__).resolve().parents[1] / "daemon" / "policies" / "demo.yaml")
     skip = not policy.training.skip_suffix_covered
     dtype = training_dtype(policy.training.dtype)
-    loaded = load_for_inference(None, getattr(torch, dtype), resolve_device(None))
+    loaded = load_for_inference(None, getattr(torch, dtype), resolve_device(None), WeightFormat("auto"))  # daemon's
     table = pq.read_table(data / "daemon" / "runs" / run_id / "dataset" / "train.parquet",
                           columns=["prompt_token_ids", "response_token_ids"])  # in arrival order, as the run read it
     train = [TokenSequence(tuple(p), tuple(r)) for p, r in zip(

@@ -57,7 +57,7 @@ def daemon(
     model: Annotated[str | None, typer.Option(help="Target model, as the engines serve it [env SPECLOOP_MODEL]")]
     = None,
     weights: Annotated[str | None, typer.Option(
-        help="dense, gguf or nvfp4, as the engines serve the target [env SPECLOOP_WEIGHTS]")] = None,
+        help="auto (default), dense, gguf or nvfp4, as the engines serve the target [env SPECLOOP_WEIGHTS]")] = None,
     nvfp4_lm_head: Annotated[bool | None, typer.Option(
         "--nvfp4-lm-head/--no-nvfp4-lm-head", help="As the engines serve it [env SPECLOOP_NVFP4_LM_HEAD]")] = None,
     nvfp4_embedding: Annotated[bool | None, typer.Option(

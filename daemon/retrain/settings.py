@@ -44,7 +44,8 @@ class DaemonSettings(BaseSettings):
     engines: Annotated[list[str], NoDecode] = Field(default_factory=list,
                                                     validation_alias=_env("engines", "SPECLOOP_DAEMON_ENGINES"))
     model: str | None = Field(None, validation_alias=_env("model", "SPECLOOP_MODEL"))
-    weights: Literal["dense", "gguf", "nvfp4"] = Field("dense", validation_alias=_env("weights", "SPECLOOP_WEIGHTS"))
+    weights: Literal["auto", "dense", "gguf", "nvfp4"] = Field("auto",
+                                                             validation_alias=_env("weights", "SPECLOOP_WEIGHTS"))
     nvfp4_lm_head: bool = Field(False, validation_alias=_env("nvfp4_lm_head", "SPECLOOP_NVFP4_LM_HEAD"))
     nvfp4_embedding: bool = Field(False, validation_alias=_env("nvfp4_embedding", "SPECLOOP_NVFP4_EMBEDDING"))
     work_dir: Path = Field(Path("data/daemon/runs"), validation_alias=_env("work_dir", "SPECLOOP_DAEMON_WORK_DIR"))

@@ -45,7 +45,7 @@ def generate(
     max_len: Annotated[int, typer.Option(help="Context length; longer prompts are skipped")] = 1536,
     model: Annotated[str | None, typer.Option(help="HF directory or .gguf (default: SmolLM2 GGUF)")] = None,
     dtype: Annotated[str, typer.Option(help="float32 or bfloat16")] = "bfloat16",
-    weights: Annotated[WeightKind, WEIGHTS_OPTION] = "dense",
+    weights: Annotated[WeightKind, WEIGHTS_OPTION] = "auto",
     nvfp4_lm_head: Annotated[bool, NVFP4_LM_HEAD_OPTION] = False,
     nvfp4_embedding: Annotated[bool, NVFP4_EMBEDDING_OPTION] = False,
     seed: Annotated[int, typer.Option(help="Prompt sampling seed")] = 0,

@@ -117,11 +117,12 @@ def block_labels(batch: Batch, label_pos: torch.Tensor, distill: bool) -> tuple[
     return greedy, inside & on_path
 
 
-def dflash_loss(drafter: DFlashDrafter, target: Transformer, batch: Batch, num_anchors: int, gamma: float,
-                gen: torch.Generator, label_map: torch.Tensor | None = None, distill: bool = False,
+def dflash_loss(drafter: DFlashDrafter, target: Transformer, head: torch.Tensor, batch: Batch, num_anchors: int,
+                gamma: float, gen: torch.Generator, label_map: torch.Tensor | None = None, distill: bool = False,
                 mixed_precision: bool = False) -> StepStats:
-    """The weighted block cross-entropy of one batch, whose target features are attached. `label_map`
-    `[V]` maps token ids to trimmed-vocab indices (−100 for tokens outside it, which are not supervised)."""
+    """The weighted block cross-entropy of one batch, whose target features are attached. `head` `[V', H]`
+    is `drafter.head_weight(target.lm_head)`; `label_map` `[V]` maps token ids to trimmed-vocab indices
+    (−100 for tokens outside it, which are not supervised)."""
     assert batch.taps is not None and (batch.greedy_next is not None or not distill), "attach the target's features"
     c = drafter.config
     bs, (B, S) = c.block_size, batch.tokens.shape
@@ -141,9 +142,8 @@ def dflash_loss(drafter: DFlashDrafter, target: Transformer, batch: Batch, num_a
         labels = label_map[labels]
     supervised = keep.unsqueeze(-1) & (offsets > 0) & usable & (labels >= 0)
     weights = position_weights(bs, gamma, anchors.device).expand(B, N, bs)[supervised]
-    head = drafter.head_weight(target.lm_head).to(hidden.dtype)  # [V', H]
     with torch.autocast(hidden.device.type, dtype=torch.bfloat16, enabled=mixed_precision):
-        logits = (hidden.view(B, N, bs, -1)[supervised] @ head.T).float()  # [M, V']
+        logits = (hidden.view(B, N, bs, -1)[supervised] @ head.to(hidden.dtype).T).float()  # [M, V']
     targets = labels[supervised]
     ce = F.cross_entropy(logits, targets, reduction="none")
     loss = (ce * weights).sum() / weights.sum().clamp(min=1e-6)
@@ -167,6 +167,9 @@ class BlockLoss:
     def __init__(self, cfg: TrainConfig, drafter: DFlashDrafter, target: Transformer) -> None:
         self.cfg, self.drafter, self.target = cfg, drafter, target
         self.label_map = label_map(drafter, target.device)
+        # Formed once: a trimmed head is a gather, and a GGUF target's head dequantizes on each read
+        # (14 ms for SmolLM2's Q8_0 head in fp32 on the Zen 3, beside a training step of about 600 ms).
+        self.head = drafter.head_weight(target.lm_head).detach()  # [V', H]
         if cfg.mixed_precision and target.device.type == "cpu" and not cpu_plan().onednn_bf16:
             # On a Xeon without AVX-512 BF16 the block-4 recipe with bf16 autocast did not finish 100 steps
             # in 10 minutes (over 6 s a step); in fp32 it took 2.8 s a step computing the target's features
@@ -176,5 +179,5 @@ class BlockLoss:
 
     def __call__(self, batch: Batch, gen: torch.Generator) -> StepStats:
         cfg = self.cfg
-        return dflash_loss(self.drafter, self.target, batch, cfg.num_anchors, cfg.gamma, gen, self.label_map,
-                           cfg.distill, cfg.mixed_precision)
+        return dflash_loss(self.drafter, self.target, self.head, batch, cfg.num_anchors, cfg.gamma, gen,
+                           self.label_map, cfg.distill, cfg.mixed_precision)

@@ -6,12 +6,13 @@ and the one place that says which device is the default. It is not a loader itse
 `gguf.py`) and it knows nothing about serving.
 
 `WeightFormat("gguf")` serves a GGUF file's quantized tensors from their own blocks
-(`engine/model/gguf_linear.py`), under the file's fingerprint. `WeightFormat("nvfp4", ...)` serves
-NVFP4 weights (`engine/model/nvfp4_linear.py`, `engine/model/nvfp4_embedding.py`): an NVFP4
-checkpoint's own, or a dense model's quantized on load (`quantize.py`), which is the same model as
-the checkpoint `specloop quantize` writes from it, fingerprint included. The dense weights
-(`WeightFormat()`) of an NVFP4 checkpoint are its dequantized weights in ordinary layers, still
-under its NVFP4 fingerprint.
+(`engine/model/gguf_linear.py`), under the file's fingerprint; `WeightFormat("auto")` does so where it
+can (a GGUF file with such tensors, on the CPU, the kernel built) and loads densely elsewhere.
+`WeightFormat("nvfp4", ...)` serves NVFP4 weights (`engine/model/nvfp4_linear.py`,
+`engine/model/nvfp4_embedding.py`): an NVFP4 checkpoint's own, or a dense model's quantized on load
+(`quantize.py`), which is the same model as the checkpoint `specloop quantize` writes from it,
+fingerprint included. The dense weights (`WeightFormat()`) of an NVFP4 checkpoint are its
+dequantized weights in ordinary layers, still under its NVFP4 fingerprint.
 """
 
 import importlib.util
@@ -98,8 +99,15 @@ def load_model(source: str | Path | None, dtype: torch.dtype, device: torch.devi
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype: {dtype} is not supported (use torch.float32 or torch.bfloat16)")
     path, stored = read_stored_model(source)
+    blocks = auto_gguf_modules(path, stored, device) if weights.kind == "auto" else None
+    if weights.kind == "auto":
+        weights = WeightFormat("gguf") if blocks else DENSE
+        log.info("weights auto: serving %s %s", path.name, "from its own GGUF blocks (gguf)" if blocks else "dense")
     if weights.kind == "gguf":
-        blocks, kernel = gguf_modules(path, stored, device), gguf_kernel()
+        blocks, kernel = blocks or gguf_modules(path, stored, device), gguf_kernel()
+        if not blocks:
+            raise ValueError(f"weights: 'gguf' found no layer of {path.name} in Q4_0, Q4_1, Q8_0, Q4_K or Q6_K; "
+                             "serve it with weights 'dense'")
         model = build_model(stored, dtype, device)
         apply_gguf(model, blocks, kernel)
         return LoadedModel(model, stored.tokenizer, stored.fingerprint, stored.name, path, None, weights)
@@ -132,10 +140,22 @@ def gguf_modules(path: Path, stored: StoredModel, device: torch.device) -> dict[
             modules[module] = stack(parts)
         else:
             dense.append(module)
-    if dense:
+    if dense and modules:
         log.warning("weights 'gguf': %d of %d linear modules are not in one of Q4_0, Q4_1, Q8_0, Q4_K, Q6_K and stay "
                     "dense: %s", len(dense), len(dense) + len(modules), ", ".join(dense[:5]))
     return modules
+
+
+def auto_gguf_modules(path: Path, stored: StoredModel, device: torch.device) -> dict[str, GgufBlocks]:
+    """What weights `auto` serves from GGUF blocks: the linear modules `gguf` would, for a GGUF file
+    on the CPU where the kernel built; none (so `dense`) for anything else."""
+    if path.suffix != ".gguf" or device.type != "cpu":
+        return {}
+    if load_kernel() is None:
+        log.warning("weights auto: %s is served dense, at bf16's decode speed: the CPU kernels that read its "
+                    "blocks did not build (see the log)", path.name)
+        return {}
+    return gguf_modules(path, stored, device)
 
 
 def gguf_kernel() -> ModuleType:

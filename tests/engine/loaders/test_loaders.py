@@ -18,7 +18,13 @@ from gguf.quants import quantize
 
 from specloop.engine.loaders.gguf import permute_rows, served_name, unpermute_rows
 from specloop.engine.loaders.hf import read_hf_dir
-from specloop.engine.loaders.load import LoadedModel, load_for_inference, load_model, read_stored_model
+from specloop.engine.loaders.load import (
+    LoadedModel,
+    auto_gguf_modules,
+    load_for_inference,
+    load_model,
+    read_stored_model,
+)
 from specloop.engine.loaders.weight_format import WeightFormat
 from specloop.engine.model.gguf_linear import GgufLinear
 from specloop.engine.model.kv_cache import AttnBatch, KVCache
@@ -247,3 +253,32 @@ def test_a_quantized_gguf_serves_its_blocks_where_the_kernel_reads_them(tiny_lla
         step, _ = blocks.model(tokens[:, 39:], cache, AttnBatch.build([0], [39], 1, CPU, 64))  # the fused pass
     assert (got - want).abs().max() <= 2e-2 * want.abs().max()
     assert (blocks.model.logits(step)[0, -1] - want[0, -1]).abs().max() <= 2e-2 * want.abs().max()
+
+
+def test_weights_auto_serves_a_quantized_gguf_from_its_blocks_and_anything_else_dense(
+        tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """`auto`, the commands' default, is `gguf` for a GGUF file with layers in the kernel's formats on
+    the CPU, and `dense` for a Hugging Face directory, an unquantized GGUF, another device, or a CPU
+    where the kernel did not build (said in a warning); explicit `gguf` on a file with no such layer is
+    refused, naming the choice that serves it."""
+    auto = WeightFormat("auto")
+    quantized = write_gguf_like_llama_cpp(tiny_llama_dir, tmp_path / "tiny.Q4_1.gguf",
+                                          qtype=lambda name: GGMLQuantizationType.Q4_1)
+    plain = write_gguf_like_llama_cpp(tiny_llama_dir, tmp_path / "tiny.F32.gguf")
+    served = load_model(quantized, torch.float32, CPU, auto)
+    assert served.weights == WeightFormat("gguf")
+    assert sum(isinstance(m, GgufLinear) for m in served.model.modules()) == 2 * 4 + 1  # qkv, o, gate_up, down; head
+    for source in (tiny_llama_dir, plain):
+        loaded = load_model(source, torch.float32, CPU, auto)
+        assert loaded.weights == WeightFormat()
+        assert loaded.fingerprint == load_model(source, torch.float32, CPU).fingerprint
+        assert not any(isinstance(m, GgufLinear) for m in loaded.model.modules())
+    with pytest.raises(ValueError, match="no layer of tiny.F32.gguf in Q4_0.*serve it with weights 'dense'"):
+        load_model(plain, torch.float32, CPU, WeightFormat("gguf"))
+    path, stored = read_stored_model(quantized)
+    assert auto_gguf_modules(path, stored, torch.device("cuda")) == {}
+    monkeypatch.setattr("specloop.engine.loaders.load.load_kernel", lambda: None)
+    with caplog.at_level("WARNING"):
+        assert load_model(quantized, torch.float32, CPU, auto).weights == WeightFormat()
+    assert "tiny.Q4_1.gguf is served dense" in caplog.text

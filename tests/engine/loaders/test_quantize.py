@@ -270,7 +270,7 @@ def test_bad_input_is_refused_by_name(tiny_llama_dir: Path, tmp_path: Path) -> N
 
 
 def test_bad_weight_formats_are_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="weights: 'int4' is not one of dense, gguf, nvfp4"):
+    with pytest.raises(ValueError, match="weights: 'int4' is not one of auto, dense, gguf, nvfp4"):
         WeightFormat("int4")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="nvfp4_lm_head: an NVFP4 LM head needs weights='nvfp4'"):
         WeightFormat(lm_head=True)
