@@ -30,7 +30,7 @@ which holds out a share of the prompts by hash and never sends them
   holds its weights (the cycle itself serves and trains as `make run` does: weights `auto`, so `gguf`
   on a CPU where the kernel builds); and where `llama_cpp` is installed, llama.cpp on the GGUF's own weights
   generating the same live prompts greedily at batch 1, the column every live row is also set
-  against (issue 37's comparison);
+  against (issue 37's comparison), and again with its own speculative mode (prompt lookup);
 - with `--other-recipe`, beside them a drafter trained afterwards on the run's own training traces,
   warm start, seed and budget with the demo policy's `training.skip_suffix_covered` flipped (anchoring
   blocks, or not, where suffix decoding drafts in the drafter's place), and its gain over suffix alone.
@@ -77,6 +77,9 @@ SUFFIX, SHIPPED, RETRAINED = "suffix", "v1 (shipped) + suffix", "retrained + suf
 # did before it held the rows until it drafts (`engine/speculation/dflash_proposer.py`)
 WRITING = "retrained + suffix, written every step"
 RECIPE = "retrained, other recipe + suffix"  # `--other-recipe`: skip_suffix_covered flipped
+# llama.cpp's prompt lookup, tokens drafted per step: its binding's default, and what its docs
+# suggest on a CPU-only machine.
+LOOKUP_DRAFTS = (10, 2)
 
 
 def main() -> None:
@@ -89,9 +92,10 @@ def main() -> None:
     parser.add_argument("--prompts-file", type=Path, default=None, help='--prompts file: JSONL of {"messages": [...]}')
     parser.add_argument("--live-prompts", type=int, default=32, help="held-out prompts generated live per system")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--weights", nargs="+", choices=["dense", "gguf"], default=["gguf"],
+    parser.add_argument("--weights", nargs="*", choices=["dense", "gguf"], default=["gguf"],
                         help="how the measured target holds its weights, each measured in turn: the formats "
-                             "that keep the file's base-model identity, so the run's drafters serve on them")
+                             "that keep the file's base-model identity, so the run's drafters serve on them "
+                             "(none: llama.cpp alone, as with `--again` to add its column to a run)")
     parser.add_argument("--other-recipe", action="store_true",
                         help="also train, after the cycle, a drafter on the run's dataset with the policy's "
                              "`training.skip_suffix_covered` flipped (same seed, warm start and budget), "
@@ -130,7 +134,7 @@ def main() -> None:
         shutil.copy(png, args.out.with_name(f"{args.out.stem}_live_tau.png"))
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({"cycle_seconds": report.get("cycle_seconds"), "gate": report.get("gate"),
-                      **{kind: {k: m.get(k) for k in ("loop_gain", "other_recipe_gain", "vs_llama_cpp_c1")}
+                      "llama_cpp_c1": report.get("llama_cpp_c1"), **{kind: {k: m.get(k) for k in ("loop_gain", "other_recipe_gain", "vs_llama_cpp_c1")}
                          for kind, m in report["measured"].items()}}, indent=2))
 
 
@@ -352,9 +356,11 @@ def systems(data: Path, run_id: str, heldout: list, version: str, live_prompts: 
         row = {"plain": {"tokens_per_s": round(plain_s, 1)}}
         for name in (*names, WRITING):
             # generate() serves tenant "": the proposer's cache holds the warm traces under that name
-            tok_s, tau, outputs = live_generation(loaded, proposer(name, ""), prompts, c, MAX_TOKENS, price)
+            served = proposer(name, "")
+            tok_s, tau, outputs = live_generation(loaded, served, prompts, c, MAX_TOKENS, price)
             row[name] = {"tokens_per_s": round(tok_s, 1), "speedup": round(tok_s / plain_s, 3),
-                         "tau": round(tau, 3) if tau else None, "lossless": outputs == plain_out}
+                         "tau": round(tau, 3) if tau else None, "lossless": outputs == plain_out,
+                         **_dflash_rows(served)}
             print("live", weights.kind, f"c{c}", name, json.dumps(row[name]), flush=True)
         live[f"c{c}"] = row
     gains = {name: paired_speed_gain(replayed[SUFFIX].seconds, replayed[name].seconds).to_json()
@@ -379,33 +385,62 @@ def systems(data: Path, run_id: str, heldout: list, version: str, live_prompts: 
 def llama_cpp_live(prompts: list) -> dict:
     """llama.cpp (`llama_cpp`, on the GGUF's own weights) answering `prompts` greedily one at a time, as
     the engine's live rows do: generated tokens over wall seconds, prefill included, at most
-    `MAX_TOKENS` each and ending at end-of-sequence. Its answers are its own (other numerics), so they
-    are not compared with the engine's. {} where llama_cpp is not installed."""
+    `MAX_TOKENS` each and ending at end-of-sequence; plain, then with the speculative mode its binding
+    offers, prompt lookup (`LlamaPromptLookupDecoding`: the last 2 tokens matched in the request's own
+    context) drafting `LOOKUP_DRAFTS` tokens, each checked to answer as plain does. Its answers are its
+    own (other numerics), so they are not compared with the engine's. {} where llama_cpp is not
+    installed."""
     if importlib.util.find_spec("llama_cpp") is None:
         return {}
-    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     from specloop.engine.loaders.load import read_stored_model
 
     path, stored = read_stored_model(None)
     tok = stored.tokenizer
     ids = [tok.encode(tok.apply_chat_template(list(p.messages))) for p in prompts]
-    llm = Llama(model_path=str(path), n_ctx=2048, n_threads=os.cpu_count(), verbose=False)
-    eos = set(tok.eos_token_ids)
+    seconds, plain = _llama_cpp_answers(path, ids, set(tok.eos_token_ids), None)
+    out = {"prompts": len(ids), "generated_tokens": sum(map(len, plain)),
+           "tokens_per_s": round(sum(map(len, plain)) / seconds, 1), "prompt_lookup": {}}
+    for drafts in LOOKUP_DRAFTS:
+        seconds, answers = _llama_cpp_answers(path, ids, set(tok.eos_token_ids),
+                                              LlamaPromptLookupDecoding(num_pred_tokens=drafts))
+        out["prompt_lookup"][str(drafts)] = {"tokens_per_s": round(sum(map(len, answers)) / seconds, 1),
+                                             "answers_equal_plain": sum(a == b for a, b in zip(answers, plain))}
+    return out
 
-    def answer(prompt: list[int]) -> int:
-        n = 0
-        for n, token in enumerate(llm.generate(prompt, top_k=1, temp=0.0, reset=True), start=1):
-            if token in eos or n == MAX_TOKENS:
+
+def _llama_cpp_answers(path: Path, ids: list[list[int]], eos: set[int], draft: object) -> tuple[float, list]:
+    """Wall seconds for llama.cpp's greedy answers to `ids`, one at a time (after one warm-up answer, as
+    the engine measures its pass before its timed run), and the answers."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=2048, n_threads=os.cpu_count(), verbose=False, draft_model=draft)
+
+    def answer(prompt: list[int]) -> list[int]:
+        tokens: list[int] = []
+        for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+            tokens.append(token)
+            if token in eos or len(tokens) == MAX_TOKENS:
                 break
-        return n
+        return tokens
 
-    answer(ids[0])  # warm-up, as the engine measures its pass before its timed run
+    answer(ids[0])
     started = time.perf_counter()
-    generated = sum(answer(prompt) for prompt in ids)
+    answers = [answer(prompt) for prompt in ids]
     seconds = time.perf_counter() - started
     llm.close()
-    return {"prompts": len(ids), "generated_tokens": generated, "tokens_per_s": round(generated / seconds, 1)}
+    return seconds, answers
+
+
+def _dflash_rows(served: object) -> dict:
+    """Of the rows a combined proposer drafted for, those it asked DFlash for (suffix decoding short of
+    its score) and those that took DFlash's draft: the share of steps a drafter can speed up at all."""
+    from specloop.engine.speculation.combined import CombinedProposer
+
+    if not isinstance(served, CombinedProposer):
+        return {}
+    return {"rows": served.rows_proposed, "dflash_asked": served.rows_asked, "dflash_drafted": served.rows_learned}
 
 
 def _vs_llama_cpp(live: dict, llama_cpp: dict | None) -> dict:

@@ -148,7 +148,7 @@ def _replay_group(proposer: Proposer, target: Transformer | None, seqs: list[Tok
 
 
 def _learned_rows(proposer: Proposer, batch: int) -> list[int]:
-    """The rows (batch indices) of the last `propose` that DFlash drafted."""
+    """The rows (batch indices) of the last `propose` that DFlash ran on (and so costs)."""
     if isinstance(proposer, CombinedProposer):
         return proposer.last_learned
     return list(range(batch)) if isinstance(proposer, DFlashProposer) else []

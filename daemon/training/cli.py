@@ -36,9 +36,10 @@ _DEVICE = typer.Option(help="auto, cpu, cuda, cuda:N (default: auto, a GPU when 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
 # The target's weights (engine/loaders/weight_format.py). An NVFP4 target is another base model (its
 # own fingerprint), so data, drafters and τ are its own.
-WEIGHTS_OPTION = typer.Option(help="Target weights: auto (gguf where it can serve, else dense), dense, gguf (a "
-                                   "GGUF file's own Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks, CPU), or nvfp4 (projections "
-                                   "quantized to NVFP4 on load, or an NVFP4 checkpoint's own)")
+WEIGHTS_OPTION = typer.Option(help="Target weights: auto (the model's own format where the CPU kernels read it, "
+                                   "else dense), dense, gguf (a GGUF file's own Q4_0/Q4_1/Q8_0/Q4_K/Q6_K blocks, "
+                                   "CPU), or nvfp4 (projections quantized to NVFP4 on load, or an NVFP4 "
+                                   "checkpoint's own)")
 NVFP4_LM_HEAD_OPTION = typer.Option("--nvfp4-lm-head/--no-nvfp4-lm-head",
                                     help="With --weights nvfp4, the LM head in NVFP4 too")
 NVFP4_EMBEDDING_OPTION = typer.Option("--nvfp4-embedding/--no-nvfp4-embedding",

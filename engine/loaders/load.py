@@ -6,8 +6,8 @@ and the one place that says which device is the default. It is not a loader itse
 `gguf.py`) and it knows nothing about serving.
 
 `WeightFormat("gguf")` serves a GGUF file's quantized tensors from their own blocks
-(`engine/model/gguf_linear.py`), under the file's fingerprint; `WeightFormat("auto")` does so where it
-can (a GGUF file with such tensors, on the CPU, the kernel built) and loads densely elsewhere.
+(`engine/model/gguf_linear.py`), under the file's fingerprint. `WeightFormat("auto")` serves a model
+in its own format where the CPU kernels read it (`auto_format`) and densely elsewhere.
 `WeightFormat("nvfp4", ...)` serves NVFP4 weights (`engine/model/nvfp4_linear.py`,
 `engine/model/nvfp4_embedding.py`): an NVFP4 checkpoint's own, or a dense model's quantized on load
 (`quantize.py`), which is the same model as the checkpoint `specloop quantize` writes from it,
@@ -99,10 +99,10 @@ def load_model(source: str | Path | None, dtype: torch.dtype, device: torch.devi
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype: {dtype} is not supported (use torch.float32 or torch.bfloat16)")
     path, stored = read_stored_model(source)
-    blocks = auto_gguf_modules(path, stored, device) if weights.kind == "auto" else None
+    blocks: dict[str, GgufBlocks] = {}
     if weights.kind == "auto":
-        weights = WeightFormat("gguf") if blocks else DENSE
-        log.info("weights auto: serving %s %s", path.name, "from its own GGUF blocks (gguf)" if blocks else "dense")
+        weights, blocks = auto_format(path, stored, device)
+        log.info("weights auto: serving %s as %s", path.name, " ".join(weights.cli_options()))
     if weights.kind == "gguf":
         blocks, kernel = blocks or gguf_modules(path, stored, device), gguf_kernel()
         if not blocks:
@@ -146,16 +146,21 @@ def gguf_modules(path: Path, stored: StoredModel, device: torch.device) -> dict[
     return modules
 
 
-def auto_gguf_modules(path: Path, stored: StoredModel, device: torch.device) -> dict[str, GgufBlocks]:
-    """What weights `auto` serves from GGUF blocks: the linear modules `gguf` would, for a GGUF file
-    on the CPU where the kernel built; none (so `dense`) for anything else."""
-    if path.suffix != ".gguf" or device.type != "cpu":
-        return {}
+def auto_format(path: Path, stored: StoredModel, device: torch.device) -> tuple[WeightFormat, dict[str, GgufBlocks]]:
+    """What weights `auto` serves `stored` as, on the CPU where the kernels built (the only place their
+    speed is measured): an NVFP4 checkpoint as NVFP4, its LM head as it holds it; a GGUF file with
+    layers in the kernel's block formats as `gguf`, with those layers' blocks. Anything else, and
+    anything on another device, dense."""
+    if device.type != "cpu" or (stored.nvfp4 is None and path.suffix != ".gguf"):
+        return DENSE, {}
     if load_kernel() is None:
         log.warning("weights auto: %s is served dense, at bf16's decode speed: the CPU kernels that read its "
-                    "blocks did not build (see the log)", path.name)
-        return {}
-    return gguf_modules(path, stored, device)
+                    "own format did not build (see the log)", path.name)
+        return DENSE, {}
+    if stored.nvfp4 is not None:
+        return WeightFormat("nvfp4", lm_head=LM_HEAD in stored.nvfp4), {}
+    blocks = gguf_modules(path, stored, device)
+    return (WeightFormat("gguf") if blocks else DENSE), blocks
 
 
 def gguf_kernel() -> ModuleType:

@@ -1,9 +1,10 @@
 """How the served target holds its weights: the one choice that `--weights`, `--nvfp4-lm-head` and
 `--nvfp4-embedding` make, checked once, in the form every command that loads a target passes on.
 
-`auto`, what every command serves unless told otherwise, is `gguf` for a GGUF file whose layers are in
-one of those block formats, served on the CPU where the kernel built, and `dense` for anything else:
-`gguf` decoded 1.97-2.32x bf16 at batch 1 on the AMX Xeon and 1.95-2.63x on the Zen 3
+`auto`, what every command serves unless told otherwise, serves a model in its own format where the
+CPU kernels read it: on the CPU, where they built, `gguf` for a GGUF file whose layers are in one of
+those block formats and `nvfp4` for an NVFP4 checkpoint (its LM head as it holds it); `dense` for
+anything else. `gguf` decoded 1.97-2.32x bf16 at batch 1 on the AMX Xeon and 1.95-2.63x on the Zen 3
 (docs/performance.md, "GGUF weights at their own bits"), and it is the same model. `load.py` resolves
 it; a loaded model's format is never `auto`.
 

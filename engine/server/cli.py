@@ -51,9 +51,10 @@ def serve(
     dtype: Annotated[str | None, typer.Option(help="float32 or bfloat16 (default: bfloat16)")] = None,
     device: Annotated[str | None, typer.Option(help="auto, cpu, cuda, cuda:N (default: auto)")] = None,
     weights: Annotated[str | None, typer.Option(
-        help="auto: gguf where it can serve, else dense; dense: as stored; gguf: serve a GGUF file's "
-             "Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensors from their own blocks (CPU); or nvfp4: serve the projections from "
-             "NVFP4 weights, quantized on load or read from an NVFP4 checkpoint (default: auto)")] = None,
+        help="auto: the model's own format (gguf, nvfp4) where the CPU kernels read it, else dense; dense: as "
+             "stored; gguf: serve a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensors from their own blocks (CPU); or "
+             "nvfp4: serve the projections from NVFP4 weights, quantized on load or read from an NVFP4 checkpoint "
+             "(default: auto)")] = None,
     nvfp4_lm_head: Annotated[bool | None, typer.Option(
         "--nvfp4-lm-head/--no-nvfp4-lm-head", help="With --weights nvfp4, quantize the LM head too (default: off)")]
     = None,

@@ -40,8 +40,9 @@ class ServerSettings(BaseSettings):
     # dense model or read from an NVFP4 checkpoint (compressed-tensors or ModelOpt); "dense": as stored.
     # An NVFP4 model is another base model (its own fingerprint), so drafters are trained for it apart.
     # "gguf": a GGUF file's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K tensors served from their own blocks by the CPU kernel
-    # (engine/model/gguf_linear.py); the same model as the file, so its drafters serve on it. "auto": gguf
-    # where it can serve (a GGUF file on the CPU; 2-3x bf16's decode, docs/performance.md), else dense.
+    # (engine/model/gguf_linear.py); the same model as the file, so its drafters serve on it. "auto": the
+    # model's own format where the CPU kernels read it (a GGUF as gguf, 2-3x bf16's decode, docs/performance.md;
+    # an NVFP4 checkpoint as nvfp4), else dense.
     weights: Literal["auto", "dense", "gguf", "nvfp4"] = "auto"
     nvfp4_lm_head: bool = False  # with weights "nvfp4", the LM head in NVFP4 too
     nvfp4_embedding: bool = False  # with weights "nvfp4", the token embedding in NVFP4 too (memory, not speed)

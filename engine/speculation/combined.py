@@ -35,7 +35,10 @@ class CombinedProposer(Proposer):
         self.dflash, self.lookup, self.min_score = dflash, lookup, min_score
         self.block_size = max(dflash.block_size, lookup.block_size)
         self.tap_layers = dflash.tap_layers
-        self.last_learned: list[int] = []  # rows (batch indices) of the last `propose` that DFlash drafted
+        self.last_learned: list[int] = []  # rows (batch indices) of the last `propose` that DFlash ran on
+        # Rows proposed for, rows DFlash was asked for (the lookup short of `min_score`), rows whose draft
+        # was DFlash's: how much of the traffic the drafter can speed up at all (docs/performance.md).
+        self.rows_proposed = self.rows_asked = self.rows_learned = 0
 
     def allocate(self, num_slots: int, max_len: int) -> None:
         self.dflash.allocate(num_slots, max_len)
@@ -62,11 +65,14 @@ class CombinedProposer(Proposer):
             confidence[:, :found.shape[1]] = self.lookup.last_confidence
         rows = [b for b, score in enumerate(self.lookup.last_scores) if score < self.min_score]
         self.last_learned = rows
+        self.rows_proposed += len(slots)
+        self.rows_asked += len(rows)
         if rows:
             learned = self.dflash.propose([slots[b] for b in rows], [ctx_lens[b] for b in rows],
                                           last_tokens[rows], [histories[b] for b in rows])  # [R, k_dflash]
             own = getattr(self.dflash, "last_expected", None) or [float(learned.shape[1])] * len(rows)
             take = [i for i, b in enumerate(rows) if not weighed or own[i] >= self.lookup.last_scores[b]]
+            self.rows_learned += len(take)
             if take:
                 chosen = [rows[i] for i in take]
                 drafts[chosen] = NO_DRAFT

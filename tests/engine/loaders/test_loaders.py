@@ -20,7 +20,7 @@ from specloop.engine.loaders.gguf import permute_rows, served_name, unpermute_ro
 from specloop.engine.loaders.hf import read_hf_dir
 from specloop.engine.loaders.load import (
     LoadedModel,
-    auto_gguf_modules,
+    auto_format,
     load_for_inference,
     load_model,
     read_stored_model,
@@ -277,7 +277,7 @@ def test_weights_auto_serves_a_quantized_gguf_from_its_blocks_and_anything_else_
     with pytest.raises(ValueError, match="no layer of tiny.F32.gguf in Q4_0.*serve it with weights 'dense'"):
         load_model(plain, torch.float32, CPU, WeightFormat("gguf"))
     path, stored = read_stored_model(quantized)
-    assert auto_gguf_modules(path, stored, torch.device("cuda")) == {}
+    assert auto_format(path, stored, torch.device("cuda")) == (WeightFormat(), {})
     monkeypatch.setattr("specloop.engine.loaders.load.load_kernel", lambda: None)
     with caplog.at_level("WARNING"):
         assert load_model(quantized, torch.float32, CPU, auto).weights == WeightFormat()

@@ -152,6 +152,8 @@ def test_an_nvfp4_checkpoint_served_densely(tiny_llama_dir: Path, tmp_path: Path
                            "modelopt")
     as_nvfp4 = load_model(tmp_path / "mo", torch.float32, CPU, WeightFormat("nvfp4"))
     as_dense = load_model(tmp_path / "mo", torch.float32, CPU)
+    # `auto`, the commands' default, serves a checkpoint in its own format where the CPU kernels read it.
+    assert load_model(tmp_path / "mo", torch.float32, CPU, WeightFormat("auto")).weights == WeightFormat("nvfp4")
     assert not any(isinstance(m, Nvfp4Linear) for m in as_dense.model.modules())
     assert as_dense.weights.kind == "dense" and as_dense.fingerprint == as_nvfp4.fingerprint
     assert as_dense.source_fingerprint == as_nvfp4.source_fingerprint == load_model(tiny_llama_dir, torch.float32,
@@ -171,6 +173,7 @@ def test_a_quantized_head_of_a_tied_model_unties_it(tiny_hf_model: Callable[[str
     assert config["tie_word_embeddings"] is False and config["quantization_config"]["ignore"] == []
     assert config["specloop"] == {"source_fingerprint": source.fingerprint, "nvfp4_lm_head": True}
     ckpt = load_model(tmp_path / "ct", torch.float32, CPU, WeightFormat("nvfp4", lm_head=True))
+    assert load_model(tmp_path / "ct", torch.float32, CPU, WeightFormat("auto")).weights == ckpt.weights
     assert ckpt.fingerprint == on_load.fingerprint != load_model(src, torch.float32, CPU, WeightFormat("nvfp4")).fingerprint
     assert torch.equal(logits(ckpt), logits(on_load))
     # Without the flag the checkpoint's head is served densely: the same weights, model and fingerprint.

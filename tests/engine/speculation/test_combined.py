@@ -49,3 +49,8 @@ def test_below_min_score_the_draft_expected_to_go_further_wins() -> None:
     assert drafts.tolist() == [[9, 1, 2, NO_DRAFT, NO_DRAFT], [0, 0, NO_DRAFT, NO_DRAFT, NO_DRAFT]]
     long = CombinedProposer(Constant(0, 6), suffix, min_score=4.0)  # type: ignore[arg-type]
     assert long.propose([0, 1], [6, 3], torch.tensor([3, 6]), histories).tolist() == [[0] * 5, [0] * 5]
+    # Counted over every call: rows proposed for, asked of DFlash, given DFlash's draft.
+    assert (short.rows_proposed, short.rows_asked, short.rows_learned) == (2, 2, 1)
+    short.propose([0, 1], [6, 3], torch.tensor([3, 6]), histories)
+    assert (short.rows_proposed, short.rows_asked, short.rows_learned) == (4, 4, 2)
+    assert (long.rows_proposed, long.rows_asked, long.rows_learned) == (2, 2, 2)
