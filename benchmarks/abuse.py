@@ -305,7 +305,7 @@ def main() -> None:
         tenants = Path(tmp) / "tenants.yaml"
         tenants.write_text(TENANTS)
         env = {"SPECLOOP_TENANTS_FILE": str(tenants), "SPECLOOP_DATA_DIR": tmp}
-        with server_process(["--num-slots", "8"], Path(tmp) / "server.log", env) as server:
+        with server_process(["--weights", "dense", "--num-slots", "8"], Path(tmp) / "server.log", env) as server:
             os.nice(CLIENT_NICE)  # after the server started: it keeps the default priority
             _phase(server, args.warmup_s, args.max_tokens, abusers=False)  # every batch shape once
             alone = _phase(server, args.phase_s, args.max_tokens, abusers=False)

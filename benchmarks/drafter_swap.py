@@ -102,7 +102,8 @@ def run(args: argparse.Namespace, registry_dir: Path) -> dict:
     registry.set_alias(fingerprint, CHAMPION, v1.version)
     env = {"SPECLOOP_ADMIN_TOKEN": ADMIN_TOKEN, "SPECLOOP_HMAC_KEY": ADMIN_TOKEN[::-1],
            "SPECLOOP_DATA_DIR": str(registry_dir / "data")}
-    options = ["--registry", registry.tracking_uri, "--proposer", "combined", "--registry-poll-s", "3600",
+    options = ["--weights", "dense", "--registry", registry.tracking_uri, "--proposer", "combined",
+               "--registry-poll-s", "3600",
                "--num-slots", str(CONCURRENCY)]
     with server_process(options, registry_dir / "serve.log", env) as server:
         deadline = time.monotonic() + 120

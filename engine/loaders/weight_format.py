@@ -2,9 +2,9 @@
 `--nvfp4-embedding` make, checked once, in the form every command that loads a target passes on.
 
 `auto`, what every command serves unless told otherwise, serves a model in its own format where the
-CPU kernels read it: on the CPU, where they built, `gguf` for a GGUF file whose layers are in one of
-those block formats and `nvfp4` for an NVFP4 checkpoint (its LM head as it holds it); `dense` for
-anything else. `gguf` decoded 1.97-2.32x bf16 at batch 1 on the AMX Xeon and 1.95-2.63x on the Zen 3
+CPU kernels read it: on the CPU, where their AVX2 or AVX-512 build loaded, `gguf` for a GGUF file
+whose layers are in one of those block formats and `nvfp4` for an NVFP4 checkpoint (its LM head and
+embedding as it holds them); `dense` for anything else. `gguf` decoded 1.97-2.32x bf16 at batch 1 on the AMX Xeon and 1.95-2.63x on the Zen 3
 (docs/performance.md, "GGUF weights at their own bits"), and it is the same model. `load.py` resolves
 it; a loaded model's format is never `auto`.
 

@@ -1,6 +1,7 @@
-"""`specloop up` on its defaults (`make run` adds `--demo` traffic): the real SmolLM2 from its GGUF's own
-blocks (weights `auto`; bf16 where the CPU kernels did not build), drafting with the shipped DFlash drafter (with suffix decoding) that seeded the embedded registry as
-v1, with the retraining daemon and the MLflow UI beside it."""
+"""`specloop up` on its defaults (`make run` adds `--demo` traffic): the real SmolLM2 from its GGUF's
+own blocks (weights `auto`; bf16 where the CPU kernels did not build or built portably), drafting
+with the shipped DFlash drafter (with suffix decoding) that seeded the embedded registry as v1, with
+the retraining daemon and the MLflow UI beside it."""
 
 import os
 import signal
@@ -13,6 +14,8 @@ import httpx
 import pytest
 
 from benchmarks.server_process import wait_ready
+from specloop.engine.loaders.load import MEASURED_ISAS
+from specloop.kernels.cpu_decode import cpu_plan
 from specloop.kernels.cpu_decode import load as load_kernel
 from specloop.storage.broker import free_port
 
@@ -34,7 +37,8 @@ def test_up_drafts_with_the_shipped_drafter_from_its_first_start(tmp_path: Path)
         while (card := httpx.get(f"{url}/v1/models").json()["data"][0])["drafter_version"] != "v1":
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
-        assert card["weights"] == ("gguf" if load_kernel() is not None else "dense")
+        measured = load_kernel() is not None and cpu_plan().isa in MEASURED_ISAS
+        assert card["weights"] == ("gguf" if measured else "dense")
         body = {"model": card["id"], "messages": [{"role": "user", "content": "Write a Python function that adds "
                                                                                "two numbers."}],
                 "max_tokens": 48, "temperature": 0}

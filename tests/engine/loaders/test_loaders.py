@@ -5,6 +5,7 @@ writes one (Q/K rows permuted, byte-level BPE vocabulary in metadata): it must l
 logits and token ids as the Hugging Face directory it was written from.
 """
 
+import dataclasses
 import json
 import shutil
 from collections.abc import Callable
@@ -28,6 +29,8 @@ from specloop.engine.loaders.load import (
 from specloop.engine.loaders.weight_format import WeightFormat
 from specloop.engine.model.gguf_linear import GgufLinear
 from specloop.engine.model.kv_cache import AttnBatch, KVCache
+from specloop.kernels.cpu_decode import cpu_plan
+from specloop.kernels.cpu_features import Isa
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -259,8 +262,9 @@ def test_weights_auto_serves_a_quantized_gguf_from_its_blocks_and_anything_else_
         tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     """`auto`, the commands' default, is `gguf` for a GGUF file with layers in the kernel's formats on
-    the CPU, and `dense` for a Hugging Face directory, an unquantized GGUF, another device, or a CPU
-    where the kernel did not build (said in a warning); explicit `gguf` on a file with no such layer is
+    the CPU, and `dense` for a Hugging Face directory, an unquantized GGUF, another device, the
+    portable kernel build (never measured against dense), or a CPU where the kernel did not build
+    (said in a warning); explicit `gguf` on a file with no such layer is
     refused, naming the choice that serves it."""
     auto = WeightFormat("auto")
     quantized = write_gguf_like_llama_cpp(tiny_llama_dir, tmp_path / "tiny.Q4_1.gguf",
@@ -278,6 +282,10 @@ def test_weights_auto_serves_a_quantized_gguf_from_its_blocks_and_anything_else_
         load_model(plain, torch.float32, CPU, WeightFormat("gguf"))
     path, stored = read_stored_model(quantized)
     assert auto_format(path, stored, torch.device("cuda")) == (WeightFormat(), {})
+    portable = dataclasses.replace(cpu_plan(), isa=Isa.PORTABLE)  # never measured against dense
+    monkeypatch.setattr("specloop.engine.loaders.load.cpu_plan", lambda: portable)
+    assert load_model(quantized, torch.float32, CPU, auto).weights == WeightFormat()
+    monkeypatch.undo()
     monkeypatch.setattr("specloop.engine.loaders.load.load_kernel", lambda: None)
     with caplog.at_level("WARNING"):
         assert load_model(quantized, torch.float32, CPU, auto).weights == WeightFormat()
