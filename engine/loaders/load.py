@@ -158,7 +158,7 @@ def auto_format(path: Path, stored: StoredModel, device: torch.device) -> tuple[
     Anything else, and anything on another device or build, dense."""
     if device.type != "cpu" or (stored.nvfp4 is None and path.suffix != ".gguf"):
         return DENSE, {}
-    if load_kernel() is None or cpu_plan().isa not in MEASURED_ISAS:
+    if not own_formats_served():
         log.warning("weights auto: %s is served dense: the CPU kernels that read its own format did not build "
                     "(see the log), or built for %s, where they were never measured against dense", path.name,
                     cpu_plan().isa)
@@ -167,6 +167,12 @@ def auto_format(path: Path, stored: StoredModel, device: torch.device) -> tuple[
         return WeightFormat("nvfp4", lm_head=LM_HEAD in stored.nvfp4, embedding=EMBEDDING in stored.nvfp4), {}
     blocks = gguf_modules(path, stored, device)
     return (WeightFormat("gguf") if blocks else DENSE), blocks
+
+
+def own_formats_served() -> bool:
+    """Whether `auto` serves quantized models in their own format on this CPU: the kernels built, in a
+    build measured against dense (`MEASURED_ISAS`)."""
+    return load_kernel() is not None and cpu_plan().isa in MEASURED_ISAS
 
 
 def gguf_kernel() -> ModuleType:

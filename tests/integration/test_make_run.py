@@ -14,9 +14,7 @@ import httpx
 import pytest
 
 from benchmarks.server_process import wait_ready
-from specloop.engine.loaders.load import MEASURED_ISAS
-from specloop.kernels.cpu_decode import cpu_plan
-from specloop.kernels.cpu_decode import load as load_kernel
+from specloop.engine.loaders.load import own_formats_served
 from specloop.storage.broker import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -37,8 +35,7 @@ def test_up_drafts_with_the_shipped_drafter_from_its_first_start(tmp_path: Path)
         while (card := httpx.get(f"{url}/v1/models").json()["data"][0])["drafter_version"] != "v1":
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
-        measured = load_kernel() is not None and cpu_plan().isa in MEASURED_ISAS
-        assert card["weights"] == ("gguf" if measured else "dense")
+        assert card["weights"] == ("gguf" if own_formats_served() else "dense")
         body = {"model": card["id"], "messages": [{"role": "user", "content": "Write a Python function that adds "
                                                                                "two numbers."}],
                 "max_tokens": 48, "temperature": 0}
