@@ -17,6 +17,7 @@ Not here: the cache itself (`engine/speculation/suffix_cache.py`), choosing betw
 (`engine/speculation/combined.py`).
 """
 
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,27 +71,37 @@ class SuffixConfig:
 
 def walk(match: Match, k: int, min_prob: float, prior: float = 0.0) -> SuffixDraft:
     """Follow the most frequent continuation of `match`'s occurrences for up to k tokens; `prior` is
-    added to the occurrences at each step."""
-    steps = np.arange(1, k + 1)  # [k]
-    cols = match.ends[:, None] + steps[None, :]  # [c, k]
-    cont = match.tokens[np.minimum(cols, len(match.tokens) - 1)]
-    cont = np.where(cols < len(match.tokens), cont, SEPARATOR)
-    cont[np.cumsum(cont == SEPARATOR, axis=1) > 0] = SEPARATOR  # a document's end ends its continuation
-    alive = np.ones(len(cont), dtype=bool)
+    added to the occurrences at each step. At each step the occurrences still agreeing with the draft
+    (`alive`, those whose document has ended included) are the denominator, the most frequent next
+    token the numerator (ties: the smallest token).
+
+    Plain Python over at most `max_candidates` lists of k tokens: per-column `np.unique` took 480 us of
+    a 690 us draft on the demo's formal-logic traces (Zen 3), where rows are few and short."""
+    # Occurrences followed by the same tokens walk together: [(continuation, occurrences)].
+    alive = list(Counter(_continuation(match.tokens, end, k) for end in match.ends.tolist()).items())
     tokens, probs, prob = [], [], 1.0
     for j in range(k):
-        col = cont[alive, j]  # [alive]
-        values, counts = np.unique(col[col != SEPARATOR], return_counts=True)
-        if not len(values):
+        counts: dict[int, int] = {}
+        for cont, n in alive:
+            if len(cont) > j:
+                counts[cont[j]] = counts.get(cont[j], 0) + n
+        if not counts:
             break
-        best = int(counts.argmax())
-        prob *= counts[best] / (len(col) + prior)
+        top = max(counts.values())
+        best = min(t for t, n in counts.items() if n == top)
+        prob *= top / (sum(n for _, n in alive) + prior)
         if prob < min_prob:
             break
-        tokens.append(int(values[best]))
-        probs.append(float(prob))
-        alive &= cont[:, j] == values[best]
+        tokens.append(best)
+        probs.append(prob)
+        alive = [(cont, n) for cont, n in alive if len(cont) > j and cont[j] == best]
     return SuffixDraft(tokens, probs)
+
+
+def _continuation(tokens: np.ndarray, end: int, k: int) -> tuple[int, ...]:
+    """The up to k tokens after position `end`, stopping at its document's end (a separator)."""
+    cont = tokens[end + 1:end + 1 + k].tolist()
+    return tuple(cont[:cont.index(SEPARATOR)] if SEPARATOR in cont else cont)
 
 
 def own_context_draft(history: np.ndarray, config: SuffixConfig, k: int) -> SuffixDraft:

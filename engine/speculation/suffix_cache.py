@@ -32,6 +32,7 @@ SEPARATOR = -1
 ANCHORS = (8, 2)  # anchor lengths, longest first; the last is the shortest match the cache reports
 TAIL = 4096  # index entries kept unsorted (scanned linearly) before they become a sorted run
 _PRIME = np.uint64(0x100000001B3)
+_P, _MASK = int(_PRIME), (1 << 64) - 1
 
 
 def hash_windows(tokens: np.ndarray, m: int) -> np.ndarray:
@@ -41,6 +42,16 @@ def hash_windows(tokens: np.ndarray, m: int) -> np.ndarray:
     powers = _PRIME ** np.arange(m - 1, -1, -1, dtype=np.uint64)  # wraps mod 2^64, on purpose
     with np.errstate(over="ignore"):
         return (windows * powers).sum(axis=1, dtype=np.uint64).view(np.int64)
+
+
+def hash_last(tokens: np.ndarray, m: int) -> int:
+    """`hash_windows(tokens, m)[-1]`, the hash of the last m tokens, in Python integers: a query hashes
+    one window per lookup, where the vectorised form's set-up took 45 us (Zen 3)."""
+    assert tokens.ndim == 1 and len(tokens) >= m
+    h = 0
+    for t in tokens[-m:].tolist():
+        h = (h * _P + t) & _MASK  # as uint64 arithmetic, wrapping; a negative token as its two's complement
+    return h - (1 << 64) if h >> 63 else h  # the int64 view
 
 
 class _Runs:
@@ -167,7 +178,7 @@ class TokenHistory:
         for m in ANCHORS:
             if len(query) < m:
                 continue
-            ends = self.index[m].find(int(hash_windows(query[-m:], m)[0]))
+            ends = self.index[m].find(hash_last(query, m))
             ends = ends[ends >= self.start + m - 1][-max_candidates:]
             match = longest_matches(view, ends, query, max_match, self.start)
             if match is not None and match.length >= m:  # below m: a hash collision, not a match

@@ -23,6 +23,36 @@ def test_walk_follows_the_most_frequent_continuation_while_it_is_likely() -> Non
     assert walk(match(doc, [0, 4, 8, 12], 1), k=4, min_prob=0.6).tokens == [2]
 
 
+def reference_walk(doc: list[int], ends: list[int], k: int, min_prob: float, prior: float) -> tuple[list, list]:
+    """The rule as written in the module docstring, one column at a time over every occurrence."""
+    conts = [[doc[e + 1 + j] if e + 1 + j < len(doc) else -1 for j in range(k)] for e in ends]
+    conts = [c[:c.index(-1)] + [-1] * (k - c.index(-1)) if -1 in c else c for c in conts]
+    alive, tokens, probs, prob = conts, [], [], 1.0
+    for j in range(k):
+        column = [c[j] for c in alive]
+        counted = sorted({t for t in column if t != -1})
+        if not counted:
+            break
+        best = max(counted, key=lambda t: (column.count(t), -t))  # the most frequent; the smallest of a tie
+        prob *= column.count(best) / (len(column) + prior)
+        if prob < min_prob:
+            break
+        tokens.append(best)
+        probs.append(prob)
+        alive = [c for c in alive if c[j] == best]
+    return tokens, probs
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_walk_equals_the_rule_on_random_occurrences(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    doc = rng.integers(-1, 4, 300).tolist()  # few tokens: ties and shared continuations are common
+    ends = sorted(rng.choice(300, int(rng.integers(1, 65)), replace=False).tolist())
+    k, min_prob, prior = int(rng.integers(1, 16)), float(rng.choice([0.05, 0.1, 0.5])), float(rng.choice([0, 1]))
+    draft = walk(match(doc, ends, 1), k, min_prob, prior)
+    assert (draft.tokens, draft.probs) == reference_walk(doc, ends, k, min_prob, prior)
+
+
 def test_spec_factor_bounds_the_draft_by_the_match_length() -> None:
     history = np.array([7, 8, 1, 2, 3, 4, 5, 6, 9, 8], dtype=np.int32)  # "8" seen before: a 1-token match
     assert own_context_draft(history, SuffixConfig(min_match=1, spec_factor=1.0), k=6).tokens == [1]

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from specloop.engine.speculation import suffix_cache
-from specloop.engine.speculation.suffix_cache import SuffixCache, TokenHistory, hash_windows
+from specloop.engine.speculation.suffix_cache import SuffixCache, TokenHistory, hash_last, hash_windows
 
 
 def brute_longest(docs: list[list[int]], query: list[int], max_match: int) -> tuple[int, set[int]]:
@@ -30,6 +30,12 @@ def random_docs(rng: np.random.Generator, count: int, vocab: int = 6) -> list[li
 def test_hash_windows_equal_windows_equal_hashes() -> None:
     h = hash_windows(np.array([1, 2, 3, 1, 2, 3, 4]), 3)
     assert h[0] == h[3] and len(set(h.tolist())) == 4
+
+
+@pytest.mark.parametrize("m", [1, 2, 8])
+def test_hash_last_is_the_last_window_hash(m: int) -> None:
+    tokens = np.random.default_rng(m).integers(-1, 49152, 40).astype(np.int32)  # -1: a separator
+    assert hash_last(tokens, m) == int(hash_windows(tokens, m)[-1])
 
 
 @pytest.mark.parametrize("seed", range(4))
