@@ -129,7 +129,8 @@ def _replay_group(proposer: Proposer, target: Transformer | None, seqs: list[Tok
                 step_s += cost.write_seconds([held.observe(b, committed[b] - 1, keep + 1) for b in live])
             for b in live:
                 seconds[b] += step_s / len(live)
-        for b, draft in zip(live, proposed.tolist(), strict=True):
+        verified, accepted_now = [], []  # per live row, as serving tells the proposer (`LLMEngine._verify`)
+        for b, draft, drafted in zip(live, proposed.tolist(), draft_lengths(proposed).tolist(), strict=True):
             truth = rows[b][committed[b]:committed[b] + len(draft)]
             n = 0
             while n < len(truth) and draft[n] == truth[n]:
@@ -139,9 +140,12 @@ def _replay_group(proposer: Proposer, target: Transformer | None, seqs: list[Tok
             done = min(n + 1, len(rows[b]) - committed[b])
             for i in range(done - 1):
                 accepted[i] += 1
+            verified.append(min(drafted, len(rows[b]) - committed[b] - 1))
+            accepted_now.append(done - 1)
             committed[b] += done
             done_by[b] += done
             steps[b] += 1
+        proposer.verified(verified, accepted_now)
     for b in range(len(rows)):
         proposer.release(b, list(rows[b]))
     return steps, done_by, seconds

@@ -39,6 +39,7 @@ class CombinedProposer(Proposer):
         # Rows proposed for, rows DFlash was asked for (the lookup short of `min_score`), rows whose draft
         # was DFlash's: how much of the traffic the drafter can speed up at all (docs/performance.md).
         self.rows_proposed = self.rows_asked = self.rows_learned = 0
+        self.last_taken: set[int] = set()  # rows of the last propose whose drafts are DFlash's
 
     def allocate(self, num_slots: int, max_len: int) -> None:
         self.dflash.allocate(num_slots, max_len)
@@ -64,6 +65,7 @@ class CombinedProposer(Proposer):
         if weighed:
             confidence[:, :found.shape[1]] = self.lookup.last_confidence
         rows = [b for b, score in enumerate(self.lookup.last_scores) if score < self.min_score]
+        self.last_taken = set()
         self.last_learned = rows
         self.rows_proposed += len(slots)
         self.rows_asked += len(rows)
@@ -75,8 +77,13 @@ class CombinedProposer(Proposer):
             self.rows_learned += len(take)
             if take:
                 chosen = [rows[i] for i in take]
+                self.last_taken = set(chosen)
                 drafts[chosen] = NO_DRAFT
                 drafts[chosen, :learned.shape[1]] = learned[take].to(drafts.device)
                 confidence[chosen] = 1.0  # verified whole, as DFlash alone is (dflash_proposer.py)
         self.last_confidence = confidence
         return drafts
+
+    def verified(self, verified: list[int], accepted: list[int]) -> None:
+        """The lookup learns from the rows it drafted, not from those DFlash's drafts replaced."""
+        self.lookup.verified([0 if b in self.last_taken else v for b, v in enumerate(verified)], accepted)

@@ -71,6 +71,11 @@ class Proposer(abc.ABC):
         `histories[b]` is every committed token of the sequence (prompt + output), ending in `last_tokens[b]`.
         """
 
+    def verified(self, verified: list[int], accepted: list[int]) -> None:
+        """After the verify pass of the last `propose`'s drafts: per row, how many of its drafts were
+        verified and how many of those accepted. Proposers that estimate acceptance learn from it
+        (`engine/speculation/calibration.py`); nothing by default."""
+
 
 class StatelessProposer(Proposer):
     """A proposer that keeps no per-slot state and needs no hidden states (n-gram lookup, test doubles)."""

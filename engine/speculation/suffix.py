@@ -6,7 +6,8 @@ The idea is Snowflake's (Arctic Inference, served by vLLM as `method: suffix`): 
 occurrences of the longest matched suffix, follow the most frequent next token while the share of
 occurrences that agree (smoothed by `prior`), multiplied along the way, stays above `min_prob`.
 Each product estimates that the draft is accepted with all before it (`last_confidence`, which
-lets the engine verify only as many as pay for themselves: `engine/runtime/verify_cost.py`), and
+lets the engine verify only as many as pay for themselves: `engine/runtime/verify_cost.py`, once
+corrected by how often such estimates came true, `engine/speculation/calibration.py`), and
 their sum (`score`) how many drafts will be. A draft is at most `spec_factor` × the match length
 long, and at most block_size − 1. Of the draft from the sequence's own context and the one from
 the tenant's cache, the higher score drafts. Positions past a row's draft are -1 (`NO_DRAFT`).
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specloop.engine.speculation.calibration import AcceptanceCalibration
 from specloop.engine.speculation.proposer import NO_DRAFT, StatelessProposer
 from specloop.engine.speculation.suffix_cache import SEPARATOR, Match, SuffixCache, longest_matches
 
@@ -131,6 +133,8 @@ class SuffixProposer(StatelessProposer):
         self.block_size = config.block_size
         self.namespaces: dict[int, str | None] = {}
         self.last_scores: list[float] = []
+        self.calibration = AcceptanceCalibration(self.num_drafts)
+        self.estimates = torch.zeros(0, self.num_drafts)  # [B, k]: the last propose's, uncorrected
 
     def begin(self, slot: int, namespace: str | None) -> None:
         self.namespaces[slot] = namespace
@@ -151,8 +155,12 @@ class SuffixProposer(StatelessProposer):
             rows[b, :len(draft.tokens)] = torch.tensor(draft.tokens, dtype=torch.long)
             confidence[b, :len(draft.probs)] = torch.tensor(draft.probs)
             scores.append(draft.score)
-        self.last_scores, self.last_confidence = scores, confidence
+        self.last_scores, self.estimates = scores, confidence
+        self.last_confidence = self.calibration.correct(confidence)
         return rows
+
+    def verified(self, verified: list[int], accepted: list[int]) -> None:
+        self.calibration.record(self.estimates, verified, accepted)
 
     def draft(self, history: np.ndarray, namespace: str | None) -> SuffixDraft:
         c, k = self.config, self.num_drafts

@@ -4,6 +4,7 @@ positions they cost, for the whole batch."""
 import pytest
 import torch
 
+from specloop.engine.speculation.proposer import StatelessProposer
 from specloop.engine.runtime.verify_cost import Linear, PassCost, best_num_drafts, measure_pass, pass_shapes
 from tests.engine.runtime.test_llm_engine import tiny
 
@@ -111,3 +112,47 @@ def test_a_given_cost_is_kept_and_nothing_is_measured(monkeypatch) -> None:
                        verify_cost=flat(0.5))
     engine._verify_cost_at -= 61
     assert engine.verify_cost == flat(0.5)
+
+
+class Likely(StatelessProposer):
+    """Drafts token 1 three times for every row, each estimated 0.9, and counts how often it is asked."""
+
+    block_size = 4
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def propose(self, slots: list[int], ctx_lens: list[int], last_tokens: torch.Tensor,
+                histories: list[list[int]]) -> torch.Tensor:
+        self.asked += 1
+        self.last_confidence = torch.full((len(slots), 3), 0.9)
+        return torch.ones(len(slots), 3, dtype=torch.long)
+
+
+def test_a_proposer_whose_likely_drafts_never_pay_is_asked_rarely_and_outputs_equal_plain() -> None:
+    """Where every extra position costs as much as the pass (8 `gguf` rows on the Zen 3), likely drafts
+    are still not verified; after UNPAID_STEPS such steps the proposer is asked only every
+    UNPAID_PROBE-th step, and greedy answers are plain decoding's."""
+    from specloop.engine.runtime.llm_engine import UNPAID_PROBE, UNPAID_STEPS, EngineConfig, LLMEngine
+    from specloop.engine.runtime.sequence import SamplingParams
+
+    model, prompts = tiny(), [[5, 6, 7, 5, 6, 7, 5, 6]] * 2
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain = [s.output_ids for s in LLMEngine(model, EngineConfig(num_slots=2, max_len=128), []).generate(prompts, greedy)]
+    linear = PassCost(((1, 0.01), (2, 0.02), (64, 0.64)))  # each position as dear as a one-row pass
+    proposer = Likely()
+    out = LLMEngine(model, EngineConfig(num_slots=2, max_len=128), [], proposer, verify_cost=linear).generate(
+        prompts, greedy)
+    assert [s.output_ids for s in out] == plain and out[0].spec.drafts == 0
+    assert UNPAID_STEPS <= proposer.asked <= UNPAID_STEPS + 40 // UNPAID_PROBE + 1 < 40 // 2  # of ~40 steps
+
+
+def test_a_proposer_whose_drafts_pay_is_asked_every_step() -> None:
+    from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
+    from specloop.engine.runtime.sequence import SamplingParams
+
+    proposer = Likely()
+    engine = LLMEngine(tiny(), EngineConfig(num_slots=2, max_len=128), [], proposer, verify_cost=flat(0.01))
+    out = engine.generate([[5, 6, 7, 5, 6, 7, 5, 6]] * 2, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    # Free positions: every step verifies its drafts, but for the last ones, which the token budget cuts.
+    assert 0 < out[0].spec.drafts <= proposer.asked <= out[0].spec.drafts + 2
