@@ -51,7 +51,8 @@ from specloop.engine.runtime.sampler import Sampler
 from specloop.engine.runtime.scheduler import PrefillChunk, Scheduler
 from specloop.engine.runtime.sequence import SamplingParams, Sequence, Status, TokenDelta
 from specloop.engine.runtime.torch_thread import TorchThread
-from specloop.engine.runtime.verify_cost import PassCost, best_num_drafts, exact_num_drafts, measure_pass, pass_shapes
+from specloop.engine.runtime.verify_cost import (PassCost, WithStep, best_num_drafts, exact_num_drafts, measure_pass,
+                                                 pass_shapes)
 from specloop.engine.speculation.proposer import NO_DRAFT, ServedDrafter, draft_lengths
 from specloop.engine.speculation.verify import accept_lengths, committed_tokens
 
@@ -66,6 +67,7 @@ log = logging.getLogger(__name__)
 REMEASURE_TRIES, REMEASURE_AFTER_S = 5, 60.0  # a verify cost fitted at no cost per position (`verify_cost`)
 UNPAID_STEPS, UNPAID_PROBE = 4, 8  # when a proposer whose drafts are never verified is asked (`_skips_proposing`)
 LIKELY = 0.5  # a step's first drafts are likely when their mean estimate is at least this
+STEP_WEIGHT = 0.1  # weight of the latest verify step in the running mean of its time outside the pass
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,7 @@ class LLMEngine:
         self.drafter: ServedDrafter | None = None  # what new sequences get
         self._drafters: list[ServedDrafter] = []  # every drafter serving a sequence, and the current one
         self._unpaid: dict[tuple[int, int], int] = {}  # (id(proposer), batch) -> steps since a draft paid
+        self._step_s = 0.0  # running mean of a verify step's seconds outside the target's pass
         if proposer:
             self._serve(ServedDrafter(self._allocated(proposer), drafter_version))
             _ = self.verify_cost  # measured now, not during the first request
@@ -446,6 +449,7 @@ class LLMEngine:
         if self._skips_proposing(seqs, proposer):
             self._count_unpaid(proposer, len(seqs), paid=False)
             return self._decode(seqs)
+        started = time.perf_counter()
         slots, starts = [s.slot for s in seqs], [s.num_cached for s in seqs]
         last = torch.tensor([s.last_token for s in seqs], dtype=torch.long, device=self.model.device)  # [B]
         drafts = proposer.propose(slots, starts, last, [s.tokens for s in seqs]).to(last.device)  # [B, k]
@@ -459,7 +463,7 @@ class LLMEngine:
             confidence = torch.ones(drafts.shape)
         if any(s.params.verify_all_drafts for s in seqs):
             confidence = torch.ones(drafts.shape)
-        keep = best_num_drafts(confidence, lengths, self.verify_cost, limit)
+        keep = best_num_drafts(confidence, lengths, WithStep(self.verify_cost, self._step_s), limit)
         drafted = lengths > 0  # [B]
         if keep > 0 or (bool(drafted.any()) and float(confidence[drafted, 0].mean()) >= LIKELY):
             # Counted unpaid only where the pass's price, not the drafts, kept them out: likely drafts
@@ -489,6 +493,10 @@ class LLMEngine:
                 # whose lookup drafts the chat template that follows the end) counted 2 such drafts each.
                 seq.spec.record(cap, min(n, len(result[1].token_ids) - 1))
             results.append(result)
+        # What the step took beyond its pass, which the width rule prices every width with: on the Zen 3
+        # at concurrency 8 on `gguf`, about 3 ms of an 18 ms plain step (docs/performance.md).
+        outside = time.perf_counter() - started - float(self.verify_cost(len(seqs) * (keep + 1)))
+        self._step_s += STEP_WEIGHT * (max(0.0, outside) - self._step_s)
         return results
 
     def _skips_proposing(self, seqs: list[Sequence], proposer: Proposer) -> bool:

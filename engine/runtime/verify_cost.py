@@ -96,6 +96,18 @@ class PassCost:
         return cls(tuple((n, statistics.fmean(by_positions[n])) for n in sorted(by_positions)))
 
 
+@dataclass(frozen=True)
+class WithStep:
+    """A pass's cost plus the rest of its step (proposing, sampling, committing), which a step pays
+    whatever its width: priced without it, wider passes look dearer than they are."""
+
+    cost: "PassCost | Linear"
+    step_s: float
+
+    def __call__(self, positions: int | torch.Tensor) -> float | torch.Tensor:
+        return self.cost(positions) + self.step_s
+
+
 def pass_shapes(batch: int, width: int) -> list[tuple[int, int]]:
     """The shapes a pass is measured at: one row and `batch` rows, each at widths 1, 2, 4, ... `width`."""
     widths = sorted({min(width, 2 ** i) for i in range(width.bit_length() + 1)})
@@ -135,7 +147,7 @@ def exact_num_drafts(model: Transformer, batch: int) -> int | None:
     return max(0, MAX_ROWS // batch - 1)
 
 
-def best_num_drafts(confidence: torch.Tensor, lengths: torch.Tensor, cost: PassCost | Linear,
+def best_num_drafts(confidence: torch.Tensor, lengths: torch.Tensor, cost: PassCost | Linear | WithStep,
                     limit: int | None = None) -> int:
     """Draft columns to verify, at most `limit`, from `confidence` `[B, k]` (estimated acceptance of each
     draft) and each row's draft `lengths` `[B]`."""

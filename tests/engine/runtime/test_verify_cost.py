@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from specloop.engine.speculation.proposer import StatelessProposer
-from specloop.engine.runtime.verify_cost import Linear, PassCost, best_num_drafts, measure_pass, pass_shapes
+from specloop.engine.runtime.verify_cost import Linear, PassCost, WithStep, best_num_drafts, measure_pass, pass_shapes
 from tests.engine.runtime.test_llm_engine import tiny
 
 
@@ -25,6 +25,15 @@ def test_a_long_unlikely_tail_is_cut() -> None:
     assert best_num_drafts(confidence, lengths, Linear(1.0, 0.01)) == 2
     assert best_num_drafts(confidence, lengths, Linear(1.0, 0.1)) == 0  # a tenth: not even those
     assert best_num_drafts(confidence, lengths, Linear(1.0, 0.0)) == 8
+
+
+def test_the_rest_of_a_step_makes_wider_passes_relatively_cheaper() -> None:
+    # 8 rows, first drafts at 0.9: a pass whose every position costs as much as a row's decode does not
+    # pay for them; with 3 ms of the step outside an 18 ms pass (concurrency 8, `gguf`, Zen 3) it does.
+    confidence, lengths = torch.full((8, 1), 0.9), torch.full((8,), 1)
+    per_position = Linear(0.0, 0.018 / 8)
+    assert best_num_drafts(confidence, lengths, per_position) == 0
+    assert best_num_drafts(confidence, lengths, WithStep(per_position, 0.003)) == 1
 
 
 def test_certain_drafts_are_all_verified_however_dear_a_wider_pass() -> None:

@@ -54,3 +54,15 @@ def test_below_min_score_the_draft_expected_to_go_further_wins() -> None:
     short.propose([0, 1], [6, 3], torch.tensor([3, 6]), histories)
     assert (short.rows_proposed, short.rows_asked, short.rows_learned) == (4, 4, 2)
     assert (long.rows_proposed, long.rows_asked, long.rows_learned) == (2, 2, 2)
+
+
+def test_suffix_decoding_learns_only_from_the_rows_it_drafted() -> None:
+    # Row 0: suffix decoding's draft "9 1 2" (score 3); row 1: no match, DFlash's draft. Told both rows
+    # verified 2 drafts and accepted 1, suffix decoding counts row 0's two drafts only.
+    histories = [[1, 2, 3, 9, 1, 2, 3], [5, 7, 9, 6]]
+    suffix = SuffixProposer(SuffixConfig(block_size=6))
+    both = CombinedProposer(Constant(0, 3), suffix, min_score=1.0)  # type: ignore[arg-type]
+    both.propose([0, 1], [6, 3], torch.tensor([3, 6]), histories)
+    assert both.last_taken == {1}
+    both.verified([2, 2], [1, 1])
+    assert suffix.calibration.verified.sum() == 2 and suffix.calibration.accepted.sum() == 1

@@ -1,0 +1,143 @@
+"""Suffix decoding with its estimates as drafted, corrected by what verify passes accepted, and
+corrected with unpaid proposing skipped: side by side with plain decoding, interleaved, in one run.
+
+The width rule (`engine/runtime/verify_cost.py`) verifies the draft columns that pay for the
+positions they cost, by the proposer's estimates of acceptance. Suffix decoding's estimates are
+the shares of a match's occurrences that agree, and a continuation every occurrence agreed on is
+estimated certain; `engine/speculation/calibration.py` corrects them by what was accepted, and
+`LLMEngine._skips_proposing` stops asking a proposer whose likely drafts never pay. Systems:
+
+- plain decoding;
+- `as drafted`: the estimates as suffix decoding makes them (a calibration whose prior outweighs any
+  count), every step proposed;
+- `corrected`: the estimates corrected, every step proposed;
+- `corrected, unpaid skipped`: the engine as it stands.
+
+Traffic: the demo's formal-logic prompts (`specloop replay`'s split): the target's greedy answers to
+`--warm` of the sent prompts are earlier traffic, which every system's suffix cache holds before the
+held-out prompts arrive; the first `--prompts` held-out prompts are measured, at most `--max-tokens`
+each, greedy. Each concurrency's prompts are cut into chunks of twice the concurrency, and every
+chunk runs on each system in turn (the order rotating by chunk), so that the VM's neighbours weigh
+on every system alike. A system's engine, suffix cache and calibration live across its chunks (its
+cache learns each finished request, as serving's does). tokens/s = generated tokens / wall seconds,
+prefill included; every engine prices its passes by one measurement per concurrency.
+
+Writes `benchmarks/results/suffix_width.json` (with the CPU) and prints a table. Not a test: it
+asserts nothing; about 10 minutes on a 2-core Zen 3. Run: `.venv/bin/python benchmarks/suffix_width.py`.
+"""
+
+import argparse
+import json
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # `benchmarks`; last, so no folder shadows a package
+from benchmarks.machine import describe  # noqa: E402
+from benchmarks.suffix_decoding import shared_verify_cost  # noqa: E402
+from specloop.daemon.traffic.sender import traffic_split  # noqa: E402
+from specloop.daemon.training.prompts import prompt_set  # noqa: E402
+from specloop.engine.loaders.load import load_for_inference, resolve_device  # noqa: E402
+from specloop.engine.loaders.weight_format import WeightFormat  # noqa: E402
+from specloop.engine.runtime import llm_engine  # noqa: E402
+from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from specloop.engine.runtime.sequence import SamplingParams  # noqa: E402
+from specloop.engine.speculation.calibration import AcceptanceCalibration  # noqa: E402
+from specloop.engine.speculation.suffix import SuffixConfig, SuffixProposer  # noqa: E402
+from specloop.engine.speculation.suffix_cache import SuffixCache  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results" / "suffix_width.json"
+SYSTEMS = ("plain", "as drafted", "corrected", "corrected, unpaid skipped")
+UNCORRECTED = 1e12  # a calibration prior no count outweighs: the estimates as drafted
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--weights", choices=["dense", "gguf"], default="gguf")
+    p.add_argument("--warm", type=int, default=100, help="sent prompts whose answers every cache holds first")
+    p.add_argument("--prompts", type=int, default=32, help="held-out prompts measured")
+    p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--out", type=Path, default=RESULTS)
+    return p.parse_args()
+
+
+@contextmanager
+def proposing_every_step(skipping: bool):
+    """The engine's skipping of unpaid proposing, on or (for the systems before it) off."""
+    kept = llm_engine.UNPAID_STEPS
+    llm_engine.UNPAID_STEPS = kept if skipping else sys.maxsize
+    try:
+        yield
+    finally:
+        llm_engine.UNPAID_STEPS = kept
+
+
+def suffix(system: str, earlier: list[list[int]], block_size: int) -> SuffixProposer:
+    cache = SuffixCache()
+    for tokens in earlier:
+        cache.add("", tokens)  # generate() serves tenant ""
+    proposer = SuffixProposer(SuffixConfig(block_size=block_size), cache)
+    if system == "as drafted":
+        proposer.calibration = AcceptanceCalibration(proposer.num_drafts, strength=UNCORRECTED)
+    return proposer
+
+
+def measure(loaded, prompts: list[list[int]], earlier: list[list[int]], concurrency: int,
+            max_tokens: int) -> dict:
+    price = shared_verify_cost(loaded, concurrency)
+    config = EngineConfig(num_slots=concurrency, max_len=2048)
+    eos = loaded.tokenizer.eos_token_ids
+    engines = {s: LLMEngine(loaded.model, config, eos, None if s == "plain" else
+                            suffix(s, earlier, config.max_block_size), verify_cost=price) for s in SYSTEMS}
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    totals = {s: {"tokens": 0, "seconds": 0.0, "outputs": [], "drafts": 0, "accepted": 0} for s in SYSTEMS}
+    chunk = 2 * concurrency
+    for i in range(0, len(prompts), chunk):
+        turn = i // chunk
+        for s in SYSTEMS[turn % len(SYSTEMS):] + SYSTEMS[:turn % len(SYSTEMS)]:
+            with proposing_every_step(s == "corrected, unpaid skipped"):
+                started = time.perf_counter()
+                out = engines[s].generate(prompts[i:i + chunk], greedy)
+                totals[s]["seconds"] += time.perf_counter() - started
+            totals[s]["tokens"] += sum(len(q.output_ids) for q in out)
+            totals[s]["outputs"] += [q.output_ids for q in out]
+            totals[s]["drafts"] += sum(q.spec.drafts for q in out)
+            totals[s]["accepted"] += sum(q.spec.accepted_tokens for q in out)
+    plain = totals["plain"]
+    row = {}
+    for s, t in totals.items():
+        tok_s = t["tokens"] / t["seconds"]
+        row[s] = {"tokens_per_s": round(tok_s, 1), "vs_plain": round(tok_s / (plain["tokens"] / plain["seconds"]), 3),
+                  "tau": round(1 + t["accepted"] / t["drafts"], 3) if t["drafts"] else None,
+                  "lossless": t["outputs"] == plain["outputs"],
+                  "step_outside_pass_ms": round(engines[s]._step_s * 1e3, 2)}  # the width rule's, at the end
+        print(f"c{concurrency}", s, json.dumps(row[s]), flush=True)
+    return row
+
+
+def main() -> None:
+    args = parse_args()
+    loaded = load_for_inference(None, torch.bfloat16, resolve_device(None), WeightFormat(args.weights))
+    tok = loaded.tokenizer
+    sent, heldout = traffic_split(prompt_set("formal-logic", None), 0.25)
+    encode = lambda p: tok.encode(tok.apply_chat_template(list(p.messages)))  # noqa: E731
+    warm = [encode(p) for p in sent[:args.warm]]
+    answers = LLMEngine(loaded.model, EngineConfig(num_slots=8, max_len=2048), tok.eos_token_ids).generate(
+        warm, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
+    earlier = [list(a.prompt_ids) + list(a.output_ids) for a in answers]
+    prompts = [encode(p) for p in heldout[:args.prompts]]
+    report = {"machine": describe(), "weights": args.weights, "warm_traces": len(earlier), "prompts": len(prompts),
+              "max_tokens": args.max_tokens,
+              "live": {f"c{c}": measure(loaded, prompts, earlier, c, args.max_tokens) for c in args.concurrency}}
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print("| concurrency | " + " | ".join(SYSTEMS) + " |")
+    for c, row in report["live"].items():
+        print(f"| {c} | " + " | ".join(f"{row[s]['tokens_per_s']} ({row[s]['vs_plain']}x)" for s in SYSTEMS) + " |")
+
+
+if __name__ == "__main__":
+    main()
