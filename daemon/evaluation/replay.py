@@ -28,7 +28,7 @@ import torch
 from specloop.daemon.evaluation.live import generate_stats
 from specloop.daemon.evaluation.step_cost import HeldRows, StepCost
 from specloop.engine.model.transformer import Transformer
-from specloop.engine.runtime.verify_cost import best_num_drafts
+from specloop.engine.runtime.verify_cost import WithStep, best_num_drafts
 from specloop.engine.speculation.build import build_proposer
 from specloop.engine.speculation.combined import CombinedProposer
 from specloop.engine.speculation.dflash_proposer import DFlashProposer
@@ -120,7 +120,9 @@ def _replay_group(proposer: Proposer, target: Transformer | None, seqs: list[Tok
             lengths = draft_lengths(proposed)
             confidence = proposer.last_confidence
             confidence = torch.ones(proposed.shape) if confidence is None else confidence
-            keep = best_num_drafts(confidence, lengths, cost.target, cost.exact_drafts(len(live)))
+            # The rest of the step priced as serving's running mean of it would find it: the lookup.
+            step = WithStep(cost.target, cost.lookup(len(live)))
+            keep = best_num_drafts(confidence, lengths, step, cost.exact_drafts(len(live)))
             proposed = proposed[:, :keep]
             learned = [live[i] for i in _learned_rows(proposer, len(live))]
             written = [held.take(b) for b in learned] if held is not None else []

@@ -10,11 +10,13 @@ keeps the j draft columns that maximize
 
     (B + Σ_rows Σ_{i<j} p[row, i]) / cost(B · (j + 1))
 
-where p[row, i] is the proposer's estimate that the row's draft i is accepted (and all before it),
+where p[row, i] is the proposer's estimate that the row's draft i is accepted (and all before it;
+suffix decoding's corrected by what this engine's passes accepted, `engine/speculation/calibration.py`),
 and `cost` is this machine's measured pass time over B·(j+1) positions (`LLMEngine.verify_cost`, a
 `PassCost` measured per engine on a small cache of its own, again while it says positions cost
-nothing). Proposers without estimates count every draft as certain: the width is then the
-longest draft. On the CPU a pass stays within the fused kernel's rows (`exact_num_drafts`), so that
+nothing) plus the rest of the step, which every width pays (`WithStep`: the engine's running mean
+of a verify step's time outside its pass, 2-6 ms on the Zen 3, `benchmarks/suffix_width.py`).
+Proposers without estimates count every draft as certain: the width is then the longest draft. On the CPU a pass stays within the fused kernel's rows (`exact_num_drafts`), so that
 greedy outputs equal plain decoding's whatever the batch.
 
 Not here: what is accepted (`engine/speculation/verify.py`), the daemon's model of a whole step
