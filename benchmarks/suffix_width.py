@@ -13,9 +13,10 @@ estimated certain; `engine/speculation/calibration.py` corrects them by what was
 - `corrected`: the estimates corrected, every step proposed;
 - `corrected, unpaid skipped`: the engine as it stands.
 
-Traffic: the demo's formal-logic prompts (`specloop replay`'s split): the target's greedy answers to
-`--warm` of the sent prompts are earlier traffic, which every system's suffix cache holds before the
-held-out prompts arrive; the first `--prompts` held-out prompts are measured, at most `--max-tokens`
+Traffic: the demo's formal-logic prompts (`specloop replay`'s split): earlier traffic, which every
+system's suffix cache holds before the held-out prompts arrive, is the target's greedy answers to
+`--warm` of the sent prompts, or with `--traces` a run's consented traces (its dataset's Parquet
+files: what serving's cache held, answers sampled as the demo's traffic asks); the first `--prompts` held-out prompts are measured, at most `--max-tokens`
 each, greedy. Each concurrency's prompts are cut into chunks of twice the concurrency, and every
 chunk runs on each system in turn (the order rotating by chunk), so that the VM's neighbours weigh
 on every system alike. A system's engine, suffix cache and calibration live across its chunks (its
@@ -58,6 +59,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--weights", choices=["dense", "gguf"], default="gguf")
     p.add_argument("--warm", type=int, default=100, help="sent prompts whose answers every cache holds first")
+    p.add_argument("--traces", type=Path, nargs="+", default=None,
+                   help="Parquet files of stored traces (a run's dataset) as the earlier traffic")
     p.add_argument("--prompts", type=int, default=32, help="held-out prompts measured")
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
@@ -119,18 +122,34 @@ def measure(loaded, prompts: list[list[int]], earlier: list[list[int]], concurre
     return row
 
 
+def greedy_answers(loaded, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    out = LLMEngine(loaded.model, EngineConfig(num_slots=8, max_len=2048), loaded.tokenizer.eos_token_ids).generate(
+        prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    return [list(a.prompt_ids) + list(a.output_ids) for a in out]
+
+
+def stored(paths: list[Path]) -> list[list[int]]:
+    import pyarrow.parquet as pq
+
+    earlier = []
+    for path in paths:
+        table = pq.read_table(path, columns=["prompt_token_ids", "response_token_ids"])
+        earlier += [p + r for p, r in zip(table["prompt_token_ids"].to_pylist(),
+                                          table["response_token_ids"].to_pylist(), strict=True)]
+    return earlier
+
+
 def main() -> None:
     args = parse_args()
     loaded = load_for_inference(None, torch.bfloat16, resolve_device(None), WeightFormat(args.weights))
     tok = loaded.tokenizer
     sent, heldout = traffic_split(prompt_set("formal-logic", None), 0.25)
     encode = lambda p: tok.encode(tok.apply_chat_template(list(p.messages)))  # noqa: E731
-    warm = [encode(p) for p in sent[:args.warm]]
-    answers = LLMEngine(loaded.model, EngineConfig(num_slots=8, max_len=2048), tok.eos_token_ids).generate(
-        warm, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
-    earlier = [list(a.prompt_ids) + list(a.output_ids) for a in answers]
+    earlier = stored(args.traces) if args.traces else greedy_answers(loaded, [encode(p) for p in sent[:args.warm]],
+                                                                     args.max_tokens)
     prompts = [encode(p) for p in heldout[:args.prompts]]
-    report = {"machine": describe(), "weights": args.weights, "warm_traces": len(earlier), "prompts": len(prompts),
+    report = {"machine": describe(), "weights": args.weights, "warm_traces": len(earlier),
+              "traces": [str(p) for p in args.traces] if args.traces else "greedy answers", "prompts": len(prompts),
               "max_tokens": args.max_tokens,
               "live": {f"c{c}": measure(loaded, prompts, earlier, c, args.max_tokens) for c in args.concurrency}}
     args.out.write_text(json.dumps(report, indent=2) + "\n")
