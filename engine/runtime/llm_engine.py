@@ -493,8 +493,8 @@ class LLMEngine:
                 # whose lookup drafts the chat template that follows the end) counted 2 such drafts each.
                 seq.spec.record(cap, min(n, len(result[1].token_ids) - 1))
             results.append(result)
-        # What the step took beyond its pass, which the width rule prices every width with: 2-6 ms on the
-        # Zen 3 with suffix decoding on `gguf`, beside an 18 ms pass of 8 rows (benchmarks/suffix_width.py).
+        # What the step took beyond its pass, which the width rule prices every width with: 0.7-7.7 ms on
+        # the Zen 3 with suffix decoding on `gguf`, beside an 18 ms pass of 8 rows (benchmarks/suffix_width.py).
         outside = time.perf_counter() - started - float(self.verify_cost(len(seqs) * (keep + 1)))
         self._step_s += STEP_WEIGHT * (max(0.0, outside) - self._step_s)
         return results

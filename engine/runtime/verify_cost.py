@@ -15,7 +15,7 @@ suffix decoding's corrected by what this engine's passes accepted, `engine/specu
 and `cost` is this machine's measured pass time over B·(j+1) positions (`LLMEngine.verify_cost`, a
 `PassCost` measured per engine on a small cache of its own, again while it says positions cost
 nothing) plus the rest of the step, which every width pays (`WithStep`: the engine's running mean
-of a verify step's time outside its pass, 2-6 ms on the Zen 3, `benchmarks/suffix_width.py`).
+of a verify step's time outside its pass, 0.7-7.7 ms on the Zen 3, `benchmarks/suffix_width.py`).
 Proposers without estimates count every draft as certain: the width is then the longest draft. On the CPU a pass stays within the fused kernel's rows (`exact_num_drafts`), so that
 greedy outputs equal plain decoding's whatever the batch.
 
