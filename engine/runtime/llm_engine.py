@@ -35,6 +35,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future, wait
@@ -53,7 +54,7 @@ from specloop.engine.runtime.sequence import SamplingParams, Sequence, Status, T
 from specloop.engine.runtime.torch_thread import TorchThread
 from specloop.engine.runtime.verify_cost import (PassCost, WithStep, best_num_drafts, exact_num_drafts, measure_pass,
                                                  pass_shapes)
-from specloop.engine.speculation.proposer import NO_DRAFT, ServedDrafter, draft_lengths
+from specloop.engine.speculation.proposer import NO_DRAFT, ServedDrafter, StatelessProposer, draft_lengths
 from specloop.engine.speculation.verify import accept_lengths, committed_tokens
 
 if TYPE_CHECKING:
@@ -144,7 +145,8 @@ class LLMEngine:
         self._verify_cost_tries = 0 if verify_cost is None else REMEASURE_TRIES  # one given is kept
         self.drafter: ServedDrafter | None = None  # what new sequences get
         self._drafters: list[ServedDrafter] = []  # every drafter serving a sequence, and the current one
-        self._unpaid: dict[tuple[int, int], int] = {}  # (id(proposer), batch) -> steps since a draft paid
+        # proposer -> {batch size: likely steps since a draft paid}; a swapped-out proposer's goes with it
+        self._unpaid: weakref.WeakKeyDictionary[Proposer, dict[int, int]] = weakref.WeakKeyDictionary()
         self._step_s = 0.0  # running mean of a verify step's seconds outside the target's pass
         if proposer:
             self._serve(ServedDrafter(self._allocated(proposer), drafter_version))
@@ -449,6 +451,7 @@ class LLMEngine:
         if self._skips_proposing(seqs, proposer):
             self._count_unpaid(proposer, len(seqs), paid=False)
             return self._decode(seqs)
+        cost = self.verify_cost  # first, so that a measurement it makes is not counted as the step's
         started = time.perf_counter()
         slots, starts = [s.slot for s in seqs], [s.num_cached for s in seqs]
         last = torch.tensor([s.last_token for s in seqs], dtype=torch.long, device=self.model.device)  # [B]
@@ -463,8 +466,8 @@ class LLMEngine:
             confidence = torch.ones(drafts.shape)
         if any(s.params.verify_all_drafts for s in seqs):
             confidence = torch.ones(drafts.shape)
-        keep = best_num_drafts(confidence, lengths, WithStep(self.verify_cost, self._step_s), limit)
-        drafted = lengths > 0  # [B]
+        keep = best_num_drafts(confidence, lengths, WithStep(cost, self._step_s), limit)
+        drafted = (lengths > 0).cpu()  # [B]; the estimates are on the CPU
         if keep > 0 or (bool(drafted.any()) and float(confidence[drafted, 0].mean()) >= LIKELY):
             # Counted unpaid only where the pass's price, not the drafts, kept them out: likely drafts
             # (every one of 8 rows' at 0.8 stays out of a `gguf` pass at concurrency 8), not unlikely ones.
@@ -495,28 +498,26 @@ class LLMEngine:
             results.append(result)
         # What the step took beyond its pass, which the width rule prices every width with: 0.7-7.7 ms on
         # the Zen 3 with suffix decoding on `gguf`, beside an 18 ms pass of 8 rows (benchmarks/suffix_width.py).
-        outside = time.perf_counter() - started - float(self.verify_cost(len(seqs) * (keep + 1)))
+        outside = time.perf_counter() - started - float(cost(len(seqs) * (keep + 1)))
         self._step_s += STEP_WEIGHT * (max(0.0, outside) - self._step_s)
         return results
 
     def _skips_proposing(self, seqs: list[Sequence], proposer: Proposer) -> bool:
-        """Whether this step decodes without asking `proposer`: after `UNPAID_STEPS` steps of this batch
-        size in a row whose likely drafts the width rule verified none of, it is asked only every
+        """Whether this step decodes without asking `proposer`: once `UNPAID_STEPS` steps of this batch
+        size with likely drafts have gone unverified since a draft last paid, it is asked only every
         `UNPAID_PROBE`th step until a draft pays again. Suffix decoding's drafts took 2 ms of each 18 ms
         step of 8 `gguf` rows on the Zen 3, where none paid for its place (docs/performance.md). Only
-        for proposers that need no hidden states (a skipped step observes nothing), never for a
-        canary's probes (they verify every draft)."""
-        if proposer.tap_layers or any(s.params.verify_all_drafts for s in seqs):
+        for stateless proposers (a skipped step observes nothing), never for a canary's probes (they
+        verify every draft)."""
+        if not isinstance(proposer, StatelessProposer) or any(s.params.verify_all_drafts for s in seqs):
             return False
-        unpaid = self._unpaid.get((id(proposer), len(seqs)), 0)
+        unpaid = self._unpaid.get(proposer, {}).get(len(seqs), 0)
         return unpaid >= UNPAID_STEPS and unpaid % UNPAID_PROBE != 0
 
     def _count_unpaid(self, proposer: Proposer, batch: int, paid: bool) -> None:
         """A step of `batch` rows proposed (or skipped) whose drafts `paid` for a wider pass, or not."""
-        if len(self._unpaid) > 4096:  # entries of swapped-out proposers
-            self._unpaid.clear()
-        key = (id(proposer), batch)
-        self._unpaid[key] = 0 if paid else self._unpaid.get(key, 0) + 1
+        counts = self._unpaid.setdefault(proposer, {})
+        counts[batch] = 0 if paid else counts.get(batch, 0) + 1
 
     @staticmethod
     def _constrain(seq: Sequence, logits: torch.Tensor, drafts: list[int]) -> torch.Tensor:
