@@ -56,6 +56,11 @@ def mlflow_server(root: Path, *args: str, env: dict[str, str] | None = None) -> 
         process.wait(30)
 
 
+# These tests check round trips and permissions, not latency: in a full `make test` on 2 cores the basic-auth
+# server once took over the registry's default 5 s to answer the admin's first registration.
+PATIENT_S = 60
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with mlflow_server(tmp_path_factory.mktemp("mlflow-server")) as url:
@@ -74,7 +79,7 @@ def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def test_register_alias_and_download_over_http(server: str, tmp_path: Path) -> None:
-    registry = DrafterRegistry(server)
+    registry = DrafterRegistry(server, timeout_s=PATIENT_S)
     artifact = save_drafter(tmp_path / "d", tiny_drafter(tiny_target()), FINGERPRINT, Lineage("sha256:x", 3, 1))
     v1 = registry.register(artifact, FINGERPRINT, {"dataset": "sha256:x"})
     v2 = registry.register(artifact, FINGERPRINT)
@@ -96,7 +101,7 @@ def test_engines_read_with_read_only_credentials_and_cannot_write(auth_server: s
     for key, value in ADMIN.items():
         monkeypatch.setenv(key, value)
     artifact = save_drafter(tmp_path / "d", tiny_drafter(tiny_target()), FINGERPRINT, Lineage("sha256:x", 3, 1))
-    admin = DrafterRegistry(auth_server)
+    admin = DrafterRegistry(auth_server, timeout_s=PATIENT_S)
     v1 = admin.register(artifact, FINGERPRINT)
     admin.set_alias(FINGERPRINT, CHAMPION, v1.version)
     setup = {**os.environ, "SPECLOOP_REGISTRY": auth_server,
@@ -108,7 +113,7 @@ def test_engines_read_with_read_only_credentials_and_cannot_write(auth_server: s
 
     for key, value in READER.items():
         monkeypatch.setenv(key, value)
-    engine = DrafterRegistry(auth_server)
+    engine = DrafterRegistry(auth_server, timeout_s=PATIENT_S)
     champion = engine.champion(FINGERPRINT)
     assert champion.version == v1.version
     assert load_drafter(engine.download(champion, tmp_path / "cache", 1 << 30), FINGERPRINT).fingerprint == FINGERPRINT
@@ -119,4 +124,4 @@ def test_engines_read_with_read_only_credentials_and_cannot_write(auth_server: s
 
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "not-the-password-0123456789")
     with pytest.raises(MlflowException, match="401"):
-        DrafterRegistry(auth_server).champion(FINGERPRINT)
+        DrafterRegistry(auth_server, timeout_s=PATIENT_S).champion(FINGERPRINT)
