@@ -256,7 +256,6 @@ def other_recipe(data: Path, run_id: str) -> tuple[Path, dict]:
     its seed, dtype and budget), with `training.skip_suffix_covered` flipped; its artifact and settings."""
     import threading
 
-    import pyarrow.parquet as pq
     import torch
 
     from specloop.daemon.retrain.challenger import train_challenger, train_config, training_dtype
@@ -264,16 +263,14 @@ def other_recipe(data: Path, run_id: str) -> tuple[Path, dict]:
     from specloop.daemon.retrain.run import run_seed
     from specloop.daemon.shipped_drafters import shipped_drafters
     from specloop.engine.loaders.load import load_for_inference, resolve_device
-    from specloop.storage.sequences import TokenSequence
+    from specloop.storage.sequences import read_sequences
 
     policy = load_policy(Path(__file__).resolve().parents[1] / "daemon" / "policies" / "demo.yaml")
     skip = not policy.training.skip_suffix_covered
     dtype = training_dtype(policy.training.dtype)
     loaded = load_for_inference(None, getattr(torch, dtype), resolve_device(None), WeightFormat("auto"))  # daemon's
-    table = pq.read_table(data / "daemon" / "runs" / run_id / "dataset" / "train.parquet",
-                          columns=["prompt_token_ids", "response_token_ids"])  # in arrival order, as the run read it
-    train = [TokenSequence(tuple(p), tuple(r)) for p, r in zip(
-        table["prompt_token_ids"].to_pylist(), table["response_token_ids"].to_pylist(), strict=True)]
+    # in arrival order, as the run read it
+    train = read_sequences([data / "daemon" / "runs" / run_id / "dataset" / "train.parquet"])
     cfg = train_config(policy.training.model_copy(update={"skip_suffix_covered": skip}), data / "bench" / "recipe",
                        shipped_drafters()[loaded.fingerprint], run_seed(run_id), dtype, len(train))
     started = time.monotonic()
@@ -288,7 +285,6 @@ def systems(data: Path, run_id: str, heldout: list, version: str, live_prompts: 
     """Suffix alone, v1 + suffix and the retrained drafter + suffix (and the other recipe's) on the
     held-out prompts, live and replayed, each over a fresh suffix cache warmed by the run's consented
     traces, on a target holding its weights as `weights` says (its own plain decoding the reference)."""
-    import pyarrow.parquet as pq
     import torch
 
     from benchmarks.suffix_decoding import live as live_generation
@@ -305,7 +301,7 @@ def systems(data: Path, run_id: str, heldout: list, version: str, live_prompts: 
     from specloop.engine.speculation.proposer import Proposer
     from specloop.engine.speculation.suffix_cache import SuffixCache
     from specloop.storage.registry import DrafterRegistry
-    from specloop.storage.sequences import TokenSequence
+    from specloop.storage.sequences import TokenSequence, read_sequences
 
     loaded = load_for_inference(None, torch.bfloat16, resolve_device(None), weights)
     target, tok = loaded.model, loaded.tokenizer
@@ -314,11 +310,7 @@ def systems(data: Path, run_id: str, heldout: list, version: str, live_prompts: 
     out = LLMEngine(target, EngineConfig(num_slots=8, max_len=2048), tok.eos_token_ids).generate(ids, greedy)
     answers = [TokenSequence(tuple(s.prompt_ids), tuple(s.output_ids)) for s in out]
     dataset = data / "daemon" / "runs" / run_id / "dataset"
-    earlier = []
-    for part in ("train", "eval"):
-        table = pq.read_table(dataset / f"{part}.parquet", columns=["prompt_token_ids", "response_token_ids"])
-        earlier += [p + r for p, r in zip(table["prompt_token_ids"].to_pylist(),
-                                          table["response_token_ids"].to_pylist(), strict=True)]
+    earlier = [s.tokens for s in read_sequences([dataset / "train.parquet", dataset / "eval.parquet"])]
     registry = DrafterRegistry(f"sqlite:///{(data / 'registry' / 'mlflow.db').resolve()}",
                                data / "registry" / "artifacts")
     retrained = registry.version(loaded.fingerprint, version.removeprefix("v"))

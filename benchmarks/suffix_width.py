@@ -49,6 +49,7 @@ from specloop.engine.runtime.sequence import SamplingParams  # noqa: E402
 from specloop.engine.speculation.calibration import AcceptanceCalibration  # noqa: E402
 from specloop.engine.speculation.suffix import SuffixConfig, SuffixProposer  # noqa: E402
 from specloop.engine.speculation.suffix_cache import SuffixCache  # noqa: E402
+from specloop.storage.sequences import read_sequences  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "suffix_width.json"
 SYSTEMS = ("plain", "as drafted", "corrected", "corrected, unpaid skipped")
@@ -128,24 +129,13 @@ def greedy_answers(loaded, prompts: list[list[int]], max_tokens: int) -> list[li
     return [list(a.prompt_ids) + list(a.output_ids) for a in out]
 
 
-def stored(paths: list[Path]) -> list[list[int]]:
-    import pyarrow.parquet as pq
-
-    earlier = []
-    for path in paths:
-        table = pq.read_table(path, columns=["prompt_token_ids", "response_token_ids"])
-        earlier += [p + r for p, r in zip(table["prompt_token_ids"].to_pylist(),
-                                          table["response_token_ids"].to_pylist(), strict=True)]
-    return earlier
-
-
 def main() -> None:
     args = parse_args()
     loaded = load_for_inference(None, torch.bfloat16, resolve_device(None), WeightFormat(args.weights))
     tok = loaded.tokenizer
     sent, heldout = traffic_split(prompt_set("formal-logic", None), 0.25)
     encode = lambda p: tok.encode(tok.apply_chat_template(list(p.messages)))  # noqa: E731
-    earlier = stored(args.traces) if args.traces else greedy_answers(loaded, [encode(p) for p in sent[:args.warm]],
+    earlier = [s.tokens for s in read_sequences(args.traces)] if args.traces else greedy_answers(loaded, [encode(p) for p in sent[:args.warm]],
                                                                      args.max_tokens)
     prompts = [encode(p) for p in heldout[:args.prompts]]
     report = {"machine": describe(), "weights": args.weights, "warm_traces": len(earlier),
