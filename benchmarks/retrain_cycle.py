@@ -28,7 +28,11 @@ which holds out a share of the prompts by hash and never sends them
 - per `--weights` (`gguf`, what `make run` serves the SmolLM2 GGUF as, by default; `dense gguf`: both
   formats with the file's base-model identity), all of the above once per way the measured target
   holds its weights (the cycle itself serves and trains as `make run` does: weights `auto`, so `gguf`
-  on a CPU where the kernel builds); and where `llama_cpp` is installed, llama.cpp on the GGUF's own weights
+  on a CPU where the kernel builds). With `--serve nvfp4` the whole stack serves and trains NVFP4 with
+  its LM head (another base model, for which nothing ships): the daemon's first run makes its first
+  drafter (bootstrapped from the shipped one's model, `daemon/retrain/bootstrap.py`), the cycle measured
+  is its second, on the demo traffic, and `v1` is the bootstrapped drafter; `--weights nvfp4` measures
+  it. Where `llama_cpp` is installed, llama.cpp on the GGUF's own weights
   generating the same live prompts greedily at batch 1, the column every live row is also set
   against (issue 37's comparison), and again with its own speculative mode (prompt lookup);
 - with `--other-recipe`, beside them a drafter trained afterwards on the run's own training traces,
@@ -73,6 +77,10 @@ HELDOUT_FRACTION = 0.25  # `specloop replay`'s default, which `specloop up --dem
 MAX_TOKENS = 192  # as the demo traffic
 CONCURRENCY = 4  # the demo traffic's
 SUFFIX, SHIPPED, RETRAINED = "suffix", "v1 (shipped) + suffix", "retrained + suffix"
+BOOTSTRAPPED = "v1 (bootstrapped) + suffix"  # `--serve nvfp4`: the first drafter the daemon made
+# `--serve nvfp4`: the NVFP4 target with its LM head (issue 37's fastest `nvfp4` variant), as every
+# command of the stack reads it from the environment (`SPECLOOP_WEIGHTS`, `SPECLOOP_NVFP4_LM_HEAD`)
+NVFP4_SERVED = {"SPECLOOP_WEIGHTS": "nvfp4", "SPECLOOP_NVFP4_LM_HEAD": "true"}
 # Live only: the retrained drafter + suffix with DFlash writing what it observes at every step, as it
 # did before it held the rows until it drafts (`engine/speculation/dflash_proposer.py`)
 WRITING = "retrained + suffix, written every step"
@@ -92,10 +100,14 @@ def main() -> None:
     parser.add_argument("--prompts-file", type=Path, default=None, help='--prompts file: JSONL of {"messages": [...]}')
     parser.add_argument("--live-prompts", type=int, default=32, help="held-out prompts generated live per system")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--weights", nargs="*", choices=["dense", "gguf"], default=["gguf"],
-                        help="how the measured target holds its weights, each measured in turn: the formats "
-                             "that keep the file's base-model identity, so the run's drafters serve on them "
-                             "(none: llama.cpp alone, as with `--again` to add its column to a run)")
+    parser.add_argument("--serve", choices=["auto", "nvfp4"], default="auto",
+                        help="how the stack serves and trains the target: as `make run` does, or NVFP4 with its "
+                             "LM head (the daemon's second run is the cycle measured; the first makes v1)")
+    parser.add_argument("--weights", nargs="*", choices=["dense", "gguf", "nvfp4"], default=None,
+                        help="how the measured target holds its weights, each measured in turn: formats with "
+                             "the served model's base-model identity, so the run's drafters serve on them "
+                             "(default: gguf, or nvfp4 with --serve nvfp4; none: llama.cpp alone, as with "
+                             "`--again` to add its column to a run)")
     parser.add_argument("--other-recipe", action="store_true",
                         help="also train, after the cycle, a drafter on the run's dataset with the policy's "
                              "`training.skip_suffix_covered` flipped (same seed, warm start and budget), "
@@ -106,6 +118,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.again is not None and args.other_recipe:
         parser.error("--other-recipe trains after a cycle; --again runs none")
+    nvfp4 = args.serve == "nvfp4"
+    if nvfp4 and args.other_recipe:
+        parser.error("--other-recipe warm-starts from the shipped drafter, which serves no NVFP4 target")
+    if args.weights is None:
+        args.weights = ["nvfp4"] if nvfp4 else ["gguf"]
+    if any((kind == "nvfp4") != nvfp4 for kind in args.weights):
+        parser.error("--weights nvfp4 measures the drafters of a cycle served as nvfp4 (--serve nvfp4), and only those")
     earlier = json.loads(args.again.read_text()) if args.again is not None else None
     data = Path(earlier["data_dir"]) if earlier else args.data_dir or Path(tempfile.mkdtemp(prefix="specloop-cycle-"))
     data.mkdir(parents=True, exist_ok=True)
@@ -113,7 +132,8 @@ def main() -> None:
     if args.prompts == "evals-mix":
         args.prompts, args.prompts_file = "file", evals_mix(data / "evals-mix.jsonl")
     _, heldout = traffic_split(prompt_set(args.prompts, args.prompts_file), HELDOUT_FRACTION)
-    report: dict = {"machine": describe(), "prompts": label, "heldout_prompts": len(heldout), "data_dir": str(data)}
+    report: dict = {"machine": describe(), "prompts": label, "heldout_prompts": len(heldout), "data_dir": str(data),
+                    "served": args.serve}
     if earlier:
         report.update({"again": str(args.again), "run": earlier["run"], "gate": earlier["gate"]})
     else:
@@ -124,7 +144,7 @@ def main() -> None:
     if 1 in args.concurrency:
         report["llama_cpp_c1"] = llama_cpp_live(heldout[:args.live_prompts])
     report["measured"] = {kind: systems(data, report["run"]["run_id"], heldout, report["gate"]["version"],
-                                        args.live_prompts, args.concurrency, WeightFormat(kind),
+                                        args.live_prompts, args.concurrency, measured_format(kind),
                                         None if recipe is None else recipe[0])
                           for kind in args.weights}
     for measured in report["measured"].values():
@@ -139,9 +159,15 @@ def main() -> None:
                       "llama_cpp_c1": report.get("llama_cpp_c1"), **summary}, indent=2))
 
 
+def measured_format(kind: str) -> WeightFormat:
+    return WeightFormat(kind, lm_head=True) if kind == "nvfp4" else WeightFormat(kind)
+
+
 def cycle(data: Path, args: argparse.Namespace, heldout: list) -> dict:
-    """`specloop up --demo` on `data` until the gate has decided: the run, the gate's event, live τ of the
-    held-out prompts before and after, the champion after, and live τ of the demo's own traffic."""
+    """`specloop up --demo` on `data` until the gate has decided on the cycle (served NVFP4: the second
+    decision; the first is the bootstrapped v1's): the run, the gate's event, live τ of the held-out
+    prompts before and after, the champion after, and live τ of the demo's own traffic."""
+    nvfp4 = args.serve == "nvfp4"
     port, daemon_port = free_port(), free_port()
     url, daemon = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{daemon_port}"
     log = data / "up.log"
@@ -152,12 +178,18 @@ def cycle(data: Path, args: argparse.Namespace, heldout: list) -> dict:
     with open(log, "ab") as out:
         up = subprocess.Popen([str(Path(sys.executable).with_name("specloop")), "up", "--demo", "--port", str(port),
                                "--mlflow-port", "0", "--daemon-port", str(daemon_port), *source],
-                              env={**os.environ, "SPECLOOP_DATA_DIR": str(data)}, stdout=out, stderr=subprocess.STDOUT)
+                              env={**os.environ, "SPECLOOP_DATA_DIR": str(data), **(NVFP4_SERVED if nvfp4 else {})},
+                              stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_ready(url, up, log, 600)
-        wait_serving(url, "v1", 120)  # the registry follower's first look comes after the server is ready
+        if nvfp4:  # nothing ships for it: the daemon's first run makes v1, which the cycle then starts from
+            first = wait_for_decision(daemon, up, log, args.timeout_min * 60, decisions=1)
+            report["first_drafter"] = first
+            wait_serving(url, "v1" if first["event"]["action"] == "promoted" else None, 120)
+        else:
+            wait_serving(url, "v1", 120)  # the registry follower's first look comes after the server is ready
         report["live_heldout_before"] = live_tau(url, heldout)
-        decided = wait_for_decision(daemon, up, log, args.timeout_min * 60)
+        decided = wait_for_decision(daemon, up, log, args.timeout_min * 60, decisions=2 if nvfp4 else 1)
         report["run"] = decided["run"]
         report["gate"] = decided["event"]
         report["cycle_seconds"] = decided["cycle_seconds"]
@@ -208,8 +240,9 @@ def live_tau(url: str, prompts: list) -> dict:
             "verify_steps": drafts, "accepted_tokens": accepted, "requests": len(spec)}
 
 
-def wait_for_decision(daemon: str, up: subprocess.Popen, log: Path, timeout_s: float) -> dict:
-    """The first run's gate event (promoted or refused), its run and the seconds from its start."""
+def wait_for_decision(daemon: str, up: subprocess.Popen, log: Path, timeout_s: float, decisions: int = 1) -> dict:
+    """The gate event (promoted or refused) that makes `decisions` of them, its run and the seconds from
+    its start."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if up.poll() is not None:
@@ -220,8 +253,8 @@ def wait_for_decision(daemon: str, up: subprocess.Popen, log: Path, timeout_s: f
             time.sleep(5)
             continue
         events = [e for e in status["history"] if e["action"] in ("promoted", "refused")]
-        if events:
-            event = events[-1]
+        if len(events) >= decisions:
+            event = sorted(events, key=lambda e: e["at"])[decisions - 1]
             run = next(r for r in status["last_runs"] if r["version"] == event["version"].removeprefix("v"))
             cycle = datetime.fromisoformat(event["at"]) - datetime.fromisoformat(run["started_at"])
             return {"event": event, "run": run, "cycle_seconds": round(cycle.total_seconds(), 1)}
@@ -314,8 +347,12 @@ def systems(data: Path, run_id: str, heldout: list, version: str, live_prompts: 
     registry = DrafterRegistry(f"sqlite:///{(data / 'registry' / 'mlflow.db').resolve()}",
                                data / "registry" / "artifacts")
     retrained = registry.version(loaded.fingerprint, version.removeprefix("v"))
-    artifacts = {SHIPPED: shipped_drafters()[loaded.fingerprint], RETRAINED: registry.download(
-        retrained, data / "bench" / weights.kind, max_artifact_bytes(target.config))}
+    bench = data / "bench" / weights.kind
+    shipped = shipped_drafters().get(loaded.fingerprint)
+    first = ({SHIPPED: shipped} if shipped is not None else  # served NVFP4: the daemon's first drafter
+             {BOOTSTRAPPED: registry.download(registry.version(loaded.fingerprint, "1"), bench,
+                                              max_artifact_bytes(target.config))})
+    artifacts = {**first, RETRAINED: registry.download(retrained, bench, max_artifact_bytes(target.config))}
     if recipe is not None:
         artifacts[RECIPE] = recipe
     names = (SUFFIX, *artifacts)

@@ -54,7 +54,7 @@ from specloop.engine.runtime.sequence import SamplingParams, Sequence, Status, T
 from specloop.engine.runtime.torch_thread import TorchThread
 from specloop.engine.runtime.verify_cost import (PassCost, WithStep, best_num_drafts, exact_num_drafts, measure_pass,
                                                  pass_shapes)
-from specloop.engine.speculation.proposer import NO_DRAFT, ServedDrafter, StatelessProposer, draft_lengths
+from specloop.engine.speculation.proposer import NO_DRAFT, ServedDrafter, draft_lengths
 from specloop.engine.speculation.verify import accept_lengths, committed_tokens
 
 if TYPE_CHECKING:
@@ -434,9 +434,13 @@ class LLMEngine:
         targets = seq.prompt_ids[chunk.start + 1:chunk.end + 1]
         seq.prompt_logprobs.extend(token_logprobs(logits[:len(targets)], targets, seq.params.prompt_logprobs))
 
-    def _decode(self, seqs: list[Sequence]) -> list[tuple[Sequence, TokenDelta]]:
+    def _decode(self, seqs: list[Sequence], observer: Proposer | None = None) -> list[tuple[Sequence, TokenDelta]]:
+        """One plain step; `observer` (a proposer skipped this step) observes its pass as after a verify."""
         block = torch.tensor([[s.last_token] for s in seqs], dtype=torch.long)  # [B, 1]
-        logits, _ = self.runner.run_block(seqs, block, ())
+        taps = observer.tap_layers if observer else ()
+        logits, tapped = self.runner.run_block(seqs, block, taps)
+        if observer:
+            observer.observe([s.slot for s in seqs], [s.num_cached for s in seqs], tapped, block)
         raw = [self._constrain(seq, logits[b], []) for b, seq in enumerate(seqs)]  # each [1, V]
         tokens = self.sampler.sample(logits, [s.seq_id for s in seqs], [s.params for s in seqs])  # [B, 1]
         results = []
@@ -450,7 +454,7 @@ class LLMEngine:
             return []
         if self._skips_proposing(seqs, proposer):
             self._count_unpaid(proposer, len(seqs), paid=False)
-            return self._decode(seqs)
+            return self._decode(seqs, proposer)
         cost = self.verify_cost  # first, so that a measurement it makes is not counted as the step's
         started = time.perf_counter()
         slots, starts = [s.slot for s in seqs], [s.num_cached for s in seqs]
@@ -506,10 +510,10 @@ class LLMEngine:
         """Whether this step decodes without asking `proposer`: once `UNPAID_STEPS` steps of this batch
         size with likely drafts have gone unverified since a draft last paid, it is asked only every
         `UNPAID_PROBE`th step until a draft pays again. Suffix decoding's drafts took 2 ms of each 18 ms
-        step of 8 `gguf` rows on the Zen 3, where none paid for its place (docs/performance.md). Only
-        for stateless proposers (a skipped step observes nothing), never for a canary's probes (they
-        verify every draft)."""
-        if not isinstance(proposer, StatelessProposer) or any(s.params.verify_all_drafts for s in seqs):
+        step of 8 `gguf` rows on the Zen 3, where none paid for its place (docs/performance.md). A
+        skipped step still taps and shows the proposer its pass (`_decode`), so DFlash's context misses
+        no position. Never for a canary's probes (they verify every draft)."""
+        if any(s.params.verify_all_drafts for s in seqs):
             return False
         unpaid = self._unpaid.get(proposer, {}).get(len(seqs), 0)
         return unpaid >= UNPAID_STEPS and unpaid % UNPAID_PROBE != 0

@@ -203,7 +203,10 @@ def test_speculation_is_lossless_for_greedy(block_size: int, kind: str) -> None:
         assert accepted / drafts > (block_size - 1) / 2
     for s in spec:
         assert 1.0 <= s.spec.mean_accepted_length <= block_size
-        assert s.spec.accepted_per_position[0] >= s.spec.accepted_per_position[-1]
+        # A sequence may have no draft verified: the width rule prices passes by this machine's measured
+        # costs, and under the suite's load one suffix row once had none (block 2).
+        if s.spec.accepted_per_position:
+            assert s.spec.accepted_per_position[0] >= s.spec.accepted_per_position[-1]
 
 
 @pytest.mark.parametrize("num_slots", [1, 8])

@@ -156,6 +156,43 @@ def test_a_proposer_whose_likely_drafts_never_pay_is_asked_rarely_and_outputs_eq
     assert UNPAID_STEPS <= proposer.asked <= UNPAID_STEPS + 40 // UNPAID_PROBE + 1 < 40 // 2  # of ~40 steps
 
 
+class LikelyWatching(Likely):
+    """`Likely`, watching the target's hidden states as DFlash does: records each slot's observed rows
+    and fails on a gap (a position no pass showed it)."""
+
+    tap_layers = (0,)
+
+    def allocate(self, num_slots: int, max_len: int) -> None:
+        self.seen = {slot: 0 for slot in range(num_slots)}  # slot -> positions observed from 0 on
+
+    def begin(self, slot: int, namespace: str | None) -> None:
+        self.seen[slot] = 0
+
+    def observe(self, slots: list[int], starts: list[int], taps: list[torch.Tensor], token_ids: torch.Tensor) -> None:
+        assert len(taps) == 1 and taps[0].shape[:2] == token_ids.shape
+        for slot, start in zip(slots, starts, strict=True):
+            assert start <= self.seen[slot], f"slot {slot}: positions {self.seen[slot]}..{start - 1} never observed"
+            self.seen[slot] = start + token_ids.shape[1]
+
+
+def test_a_skipped_proposer_that_watches_hidden_states_still_sees_every_position() -> None:
+    """DFlash (alone in the combined proposer) keeps a context of the target's hidden states: a step
+    that does not ask it still shows it its pass, so skipping leaves no gap in what it observed."""
+    from specloop.engine.runtime.llm_engine import UNPAID_STEPS, EngineConfig, LLMEngine
+    from specloop.engine.runtime.sequence import SamplingParams
+
+    model, prompts = tiny(), [[5, 6, 7, 5, 6, 7, 5, 6]] * 2
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain = [s.output_ids for s in LLMEngine(model, EngineConfig(num_slots=2, max_len=128), []).generate(prompts, greedy)]
+    linear = PassCost(((1, 0.01), (2, 0.02), (64, 0.64)))
+    proposer = LikelyWatching()
+    out = LLMEngine(model, EngineConfig(num_slots=2, max_len=128), [], proposer, verify_cost=linear).generate(
+        prompts, greedy)
+    assert [s.output_ids for s in out] == plain
+    assert UNPAID_STEPS <= proposer.asked < 40 // 2
+    assert all(seen >= len(prompts[0]) + 40 - 1 for seen in proposer.seen.values())
+
+
 def test_a_proposer_whose_drafts_pay_is_asked_every_step() -> None:
     from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine
     from specloop.engine.runtime.sequence import SamplingParams
