@@ -196,7 +196,7 @@ def cycle(data: Path, args: argparse.Namespace, heldout: list) -> dict:
         version = decided["event"]["version"]
         champion = httpx.get(f"{daemon}/status", timeout=10).json()["champion"]
         report["champion_after"] = champion
-        if champion["benched"]:  # suffix decoding alone serves from the follower's next look
+        if champion is None or champion["benched"]:  # suffix decoding alone serves (from the follower's next look)
             wait_serving(url, None, 120)
             report["live_heldout_after"] = live_tau(url, heldout)
         elif decided["event"]["action"] == "promoted":

@@ -11,7 +11,10 @@ estimated certain; `engine/speculation/calibration.py` corrects them by what was
 - `as drafted`: the estimates as suffix decoding makes them (a calibration whose prior outweighs any
   count), every step proposed;
 - `corrected`: the estimates corrected, every step proposed;
-- `corrected, unpaid skipped`: the engine as it stands.
+- `corrected, unpaid skipped`: the engine as it stands;
+- with `--systems`, also `dflash+suffix, every step` and `dflash+suffix, unpaid skipped`: the default
+  proposer (the shipped drafter with suffix decoding), asked at every step or skipped where unpaid as
+  the engine does (a skipped step still shows DFlash its pass).
 
 Traffic: the demo's formal-logic prompts (`specloop replay`'s split): earlier traffic, which every
 system's suffix cache holds before the held-out prompts arrive, is the target's greedy answers to
@@ -39,6 +42,7 @@ import torch
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # `benchmarks`; last, so no folder shadows a package
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.suffix_decoding import shared_verify_cost  # noqa: E402
+from specloop.daemon.shipped_drafters import shipped_drafters  # noqa: E402
 from specloop.daemon.traffic.sender import traffic_split  # noqa: E402
 from specloop.daemon.training.prompts import prompt_set  # noqa: E402
 from specloop.engine.loaders.load import load_for_inference, resolve_device  # noqa: E402
@@ -46,13 +50,18 @@ from specloop.engine.loaders.weight_format import WeightFormat  # noqa: E402
 from specloop.engine.runtime import llm_engine  # noqa: E402
 from specloop.engine.runtime.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from specloop.engine.runtime.sequence import SamplingParams  # noqa: E402
+from specloop.engine.speculation.build import build_proposer  # noqa: E402
 from specloop.engine.speculation.calibration import AcceptanceCalibration  # noqa: E402
+from specloop.engine.speculation.drafter_artifact import load_drafter  # noqa: E402
+from specloop.engine.speculation.proposer import Proposer  # noqa: E402
 from specloop.engine.speculation.suffix import SuffixConfig, SuffixProposer  # noqa: E402
 from specloop.engine.speculation.suffix_cache import SuffixCache  # noqa: E402
 from specloop.storage.sequences import read_sequences  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "suffix_width.json"
 SYSTEMS = ("plain", "as drafted", "corrected", "corrected, unpaid skipped")
+COMBINED = ("dflash+suffix, every step", "dflash+suffix, unpaid skipped")
+SKIPPING = ("corrected, unpaid skipped", "dflash+suffix, unpaid skipped")
 UNCORRECTED = 1e12  # a calibration prior no count outweighs: the estimates as drafted
 
 
@@ -65,6 +74,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=32, help="held-out prompts measured")
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS + COMBINED, default=list(SYSTEMS),
+                   help="the systems measured (plain decoding always)")
     p.add_argument("--out", type=Path, default=RESULTS)
     return p.parse_args()
 
@@ -80,10 +91,16 @@ def proposing_every_step(skipping: bool):
         llm_engine.UNPAID_STEPS = kept
 
 
-def suffix(system: str, earlier: list[list[int]], block_size: int) -> SuffixProposer:
+def proposer(system: str, loaded, earlier: list[list[int]], block_size: int) -> Proposer | None:
+    if system == "plain":
+        return None
     cache = SuffixCache()
     for tokens in earlier:
         cache.add("", tokens)  # generate() serves tenant ""
+    if system in COMBINED:
+        drafter = load_drafter(shipped_drafters()[loaded.fingerprint], loaded.fingerprint, loaded.model.device,
+                               loaded.model.dtype).drafter
+        return build_proposer("dflash+suffix", loaded.model, drafter, suffix_cache=cache, max_block_size=block_size)
     proposer = SuffixProposer(SuffixConfig(block_size=block_size), cache)
     if system == "as drafted":
         proposer.calibration = AcceptanceCalibration(proposer.num_drafts, strength=UNCORRECTED)
@@ -91,19 +108,19 @@ def suffix(system: str, earlier: list[list[int]], block_size: int) -> SuffixProp
 
 
 def measure(loaded, prompts: list[list[int]], earlier: list[list[int]], concurrency: int,
-            max_tokens: int) -> dict:
+            max_tokens: int, systems: tuple[str, ...]) -> dict:
     price = shared_verify_cost(loaded, concurrency)
     config = EngineConfig(num_slots=concurrency, max_len=2048)
     eos = loaded.tokenizer.eos_token_ids
-    engines = {s: LLMEngine(loaded.model, config, eos, None if s == "plain" else
-                            suffix(s, earlier, config.max_block_size), verify_cost=price) for s in SYSTEMS}
+    engines = {s: LLMEngine(loaded.model, config, eos, proposer(s, loaded, earlier, config.max_block_size),
+                            verify_cost=price) for s in systems}
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    totals = {s: {"tokens": 0, "seconds": 0.0, "outputs": [], "drafts": 0, "accepted": 0} for s in SYSTEMS}
+    totals = {s: {"tokens": 0, "seconds": 0.0, "outputs": [], "drafts": 0, "accepted": 0} for s in systems}
     chunk = 2 * concurrency
     for i in range(0, len(prompts), chunk):
         turn = i // chunk
-        for s in SYSTEMS[turn % len(SYSTEMS):] + SYSTEMS[:turn % len(SYSTEMS)]:
-            with proposing_every_step(s == "corrected, unpaid skipped"):
+        for s in systems[turn % len(systems):] + systems[:turn % len(systems)]:
+            with proposing_every_step(s in SKIPPING):
                 started = time.perf_counter()
                 out = engines[s].generate(prompts[i:i + chunk], greedy)
                 totals[s]["seconds"] += time.perf_counter() - started
@@ -138,14 +155,16 @@ def main() -> None:
     earlier = [s.tokens for s in read_sequences(args.traces)] if args.traces else greedy_answers(loaded, [encode(p) for p in sent[:args.warm]],
                                                                      args.max_tokens)
     prompts = [encode(p) for p in heldout[:args.prompts]]
+    systems = ("plain", *(s for s in SYSTEMS + COMBINED if s != "plain" and s in args.systems))
     report = {"machine": describe(), "weights": args.weights, "warm_traces": len(earlier),
               "traces": [str(p) for p in args.traces] if args.traces else "greedy answers", "prompts": len(prompts),
               "max_tokens": args.max_tokens,
-              "live": {f"c{c}": measure(loaded, prompts, earlier, c, args.max_tokens) for c in args.concurrency}}
+              "live": {f"c{c}": measure(loaded, prompts, earlier, c, args.max_tokens, systems)
+                       for c in args.concurrency}}
     args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print("| concurrency | " + " | ".join(SYSTEMS) + " |")
+    print("| concurrency | " + " | ".join(systems) + " |")
     for c, row in report["live"].items():
-        print(f"| {c} | " + " | ".join(f"{row[s]['tokens_per_s']} ({row[s]['vs_plain']}x)" for s in SYSTEMS) + " |")
+        print(f"| {c} | " + " | ".join(f"{row[s]['tokens_per_s']} ({row[s]['vs_plain']}x)" for s in systems) + " |")
 
 
 if __name__ == "__main__":
