@@ -10,8 +10,8 @@ which holds out a share of the prompts by hash and never sends them
 (`specloop.daemon.traffic.sender.traffic_split`). Measured on exactly those held-out prompts:
 
 - live through the server: τ of the held-out prompts sent anonymously (never captured) before the
-  cycle and again once the engine serves the promoted drafter (or, when the run benched the champion,
-  suffix decoding alone), the champion's tags after the cycle, and live τ of the demo traffic itself
+  cycle and again once the engine serves the promoted drafter (or, when the run benched the champion or
+  left none, suffix decoding alone), the champion's tags after the cycle, and live τ of the demo traffic itself
   per drafter version, from the replay's records;
 - after the stack stops, per system (suffix alone, v1 + suffix, the retrained drafter + suffix), each
   with a fresh suffix cache warmed by the run's consented traces (what serving held when it swapped):
@@ -118,6 +118,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.again is not None and args.other_recipe:
         parser.error("--other-recipe trains after a cycle; --again runs none")
+    earlier = json.loads(args.again.read_text()) if args.again is not None else None
+    if earlier is not None:
+        args.serve = earlier.get("served", args.serve)  # a cycle served NVFP4 is measured on NVFP4
     nvfp4 = args.serve == "nvfp4"
     if nvfp4 and args.other_recipe:
         parser.error("--other-recipe warm-starts from the shipped drafter, which serves no NVFP4 target")
@@ -125,7 +128,6 @@ def main() -> None:
         args.weights = ["nvfp4"] if nvfp4 else ["gguf"]
     if any((kind == "nvfp4") != nvfp4 for kind in args.weights):
         parser.error("--weights nvfp4 measures the drafters of a cycle served as nvfp4 (--serve nvfp4), and only those")
-    earlier = json.loads(args.again.read_text()) if args.again is not None else None
     data = Path(earlier["data_dir"]) if earlier else args.data_dir or Path(tempfile.mkdtemp(prefix="specloop-cycle-"))
     data.mkdir(parents=True, exist_ok=True)
     label = str(args.prompts_file or args.prompts)
@@ -135,7 +137,8 @@ def main() -> None:
     report: dict = {"machine": describe(), "prompts": label, "heldout_prompts": len(heldout), "data_dir": str(data),
                     "served": args.serve}
     if earlier:
-        report.update({"again": str(args.again), "run": earlier["run"], "gate": earlier["gate"]})
+        report.update({"again": str(args.again), "run": earlier["run"], "gate": earlier["gate"],
+                       **{k: earlier[k] for k in ("first_drafter",) if k in earlier}})
     else:
         report.update(cycle(data, args, heldout))
     recipe = other_recipe(data, report["run"]["run_id"]) if args.other_recipe else None
@@ -182,25 +185,23 @@ def cycle(data: Path, args: argparse.Namespace, heldout: list) -> dict:
                               stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_ready(url, up, log, 600)
+        first = None
         if nvfp4:  # nothing ships for it: the daemon's first run makes v1, which the cycle then starts from
-            first = wait_for_decision(daemon, up, log, args.timeout_min * 60, decisions=1)
+            first = wait_for_decision(daemon, up, log, args.timeout_min * 60)
             report["first_drafter"] = first
-            wait_serving(url, "v1" if first["event"]["action"] == "promoted" else None, 120)
+            wait_serving(url, serving(daemon, first["event"]), 120)
         else:
             wait_serving(url, "v1", 120)  # the registry follower's first look comes after the server is ready
         report["live_heldout_before"] = live_tau(url, heldout)
-        decided = wait_for_decision(daemon, up, log, args.timeout_min * 60, decisions=2 if nvfp4 else 1)
+        decided = wait_for_decision(daemon, up, log, args.timeout_min * 60, after=first and first["event"])
         report["run"] = decided["run"]
         report["gate"] = decided["event"]
         report["cycle_seconds"] = decided["cycle_seconds"]
         version = decided["event"]["version"]
-        champion = httpx.get(f"{daemon}/status", timeout=10).json()["champion"]
-        report["champion_after"] = champion
-        if champion is None or champion["benched"]:  # suffix decoding alone serves (from the follower's next look)
-            wait_serving(url, None, 120)
-            report["live_heldout_after"] = live_tau(url, heldout)
-        elif decided["event"]["action"] == "promoted":
-            wait_serving(url, version, 120)
+        report["champion_after"] = httpx.get(f"{daemon}/status", timeout=10).json()["champion"]
+        after = serving(daemon, decided["event"])
+        if after is None or after == version:  # what the decision made serve, from the follower's next look
+            wait_serving(url, after, 120)
             report["live_heldout_after"] = live_tau(url, heldout)
         report["wall_clock_s"] = round(time.monotonic() - started, 1)
     finally:
@@ -240,9 +241,19 @@ def live_tau(url: str, prompts: list) -> dict:
             "verify_steps": drafts, "accepted_tokens": accepted, "requests": len(spec)}
 
 
-def wait_for_decision(daemon: str, up: subprocess.Popen, log: Path, timeout_s: float, decisions: int = 1) -> dict:
-    """The gate event (promoted or refused) that makes `decisions` of them, its run and the seconds from
-    its start."""
+def serving(daemon: str, event: dict) -> str | None:
+    """The drafter version engines serve after gate `event`: none (suffix decoding alone) while there is
+    no champion or the champion is benched, the promoted version, or the champion that stood."""
+    champion = httpx.get(f"{daemon}/status", timeout=10).json()["champion"]
+    if champion is None or champion["benched"]:
+        return None
+    return event["version"] if event["action"] == "promoted" else champion["version"]
+
+
+def wait_for_decision(daemon: str, up: subprocess.Popen, log: Path, timeout_s: float,
+                      after: dict | None = None) -> dict:
+    """The first gate event (promoted or refused) later than the event `after` (None: the first), its
+    run and the seconds from its start."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if up.poll() is not None:
@@ -252,9 +263,10 @@ def wait_for_decision(daemon: str, up: subprocess.Popen, log: Path, timeout_s: f
         except (httpx.HTTPError, ValueError):
             time.sleep(5)
             continue
-        events = [e for e in status["history"] if e["action"] in ("promoted", "refused")]
-        if len(events) >= decisions:
-            event = sorted(events, key=lambda e: e["at"])[decisions - 1]
+        events = sorted((e for e in status["history"] if e["action"] in ("promoted", "refused")
+                         and (after is None or e["at"] > after["at"])), key=lambda e: e["at"])
+        if events:
+            event = events[0]
             run = next(r for r in status["last_runs"] if r["version"] == event["version"].removeprefix("v"))
             cycle = datetime.fromisoformat(event["at"]) - datetime.fromisoformat(run["started_at"])
             return {"event": event, "run": run, "cycle_seconds": round(cycle.total_seconds(), 1)}

@@ -92,14 +92,15 @@ def proposing_every_step(skipping: bool):
 
 
 def proposer(system: str, loaded, earlier: list[list[int]], block_size: int) -> Proposer | None:
+    """`system`'s proposer over a suffix cache holding `earlier` (None: plain decoding)."""
     if system == "plain":
         return None
     cache = SuffixCache()
     for tokens in earlier:
         cache.add("", tokens)  # generate() serves tenant ""
     if system in COMBINED:
-        drafter = load_drafter(shipped_drafters()[loaded.fingerprint], loaded.fingerprint, loaded.model.device,
-                               loaded.model.dtype).drafter
+        shipped = shipped_drafters()[loaded.fingerprint]  # `--weights` dense and gguf: the file's own model
+        drafter = load_drafter(shipped, loaded.fingerprint, loaded.model.device, loaded.model.dtype).drafter
         return build_proposer("dflash+suffix", loaded.model, drafter, suffix_cache=cache, max_block_size=block_size)
     proposer = SuffixProposer(SuffixConfig(block_size=block_size), cache)
     if system == "as drafted":

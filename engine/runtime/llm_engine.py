@@ -436,7 +436,7 @@ class LLMEngine:
 
     def _decode(self, seqs: list[Sequence], observer: Proposer | None = None) -> list[tuple[Sequence, TokenDelta]]:
         """One plain step; `observer` (a proposer skipped this step) observes its pass as after a verify."""
-        block = torch.tensor([[s.last_token] for s in seqs], dtype=torch.long)  # [B, 1]
+        block = torch.tensor([[s.last_token] for s in seqs], dtype=torch.long, device=self.model.device)  # [B, 1]
         taps = observer.tap_layers if observer else ()
         logits, tapped = self.runner.run_block(seqs, block, taps)
         if observer:

@@ -4,7 +4,7 @@ positions they cost, for the whole batch."""
 import pytest
 import torch
 
-from specloop.engine.speculation.proposer import StatelessProposer
+from specloop.engine.speculation.proposer import Proposer, StatelessProposer
 from specloop.engine.runtime.verify_cost import Linear, PassCost, WithStep, best_num_drafts, measure_pass, pass_shapes
 from tests.engine.runtime.test_llm_engine import tiny
 
@@ -156,11 +156,17 @@ def test_a_proposer_whose_likely_drafts_never_pay_is_asked_rarely_and_outputs_eq
     assert UNPAID_STEPS <= proposer.asked <= UNPAID_STEPS + 40 // UNPAID_PROBE + 1 < 40 // 2  # of ~40 steps
 
 
-class LikelyWatching(Likely):
-    """`Likely`, watching the target's hidden states as DFlash does: records each slot's observed rows
-    and fails on a gap (a position no pass showed it)."""
+class LikelyWatching(Proposer):
+    """`Likely`'s drafts from a proposer that watches the target's hidden states as DFlash does: records
+    each slot's observed rows and fails on a gap (a position no pass showed it)."""
 
+    block_size = 4
     tap_layers = (0,)
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    propose = Likely.propose
 
     def allocate(self, num_slots: int, max_len: int) -> None:
         self.seen = {slot: 0 for slot in range(num_slots)}  # slot -> positions observed from 0 on
@@ -176,7 +182,7 @@ class LikelyWatching(Likely):
 
 
 def test_a_skipped_proposer_that_watches_hidden_states_still_sees_every_position() -> None:
-    """DFlash (alone in the combined proposer) keeps a context of the target's hidden states: a step
+    """DFlash (as in the combined proposer) keeps a context of the target's hidden states: a step
     that does not ask it still shows it its pass, so skipping leaves no gap in what it observed."""
     from specloop.engine.runtime.llm_engine import UNPAID_STEPS, EngineConfig, LLMEngine
     from specloop.engine.runtime.sequence import SamplingParams
