@@ -69,13 +69,22 @@ class DFlashProposer(Proposer):
     def observe(self, slots: list[int], starts: list[int], taps: list[torch.Tensor], token_ids: torch.Tensor) -> None:
         assert self.cache is not None, "allocate() before observe()"
         rows = torch.cat(taps, dim=-1)  # [B, n, T·H]
+        full = []
         for b, (slot, start) in enumerate(zip(slots, starts, strict=True)):
             # A part from `start` on replaces what was held there (a verify block's rejected rows), and
-            # one from before the held ones (the slot's next sequence) replaces all of them.
-            held = [(s, r[:start - s]) for s, r in self._held.get(slot, []) if s < start]
+            # one from before the held ones (the slot's next sequence) replaces all of them. Only the
+            # tail is cut: a slot holds up to 256 one-row parts (decode steps that did not draft), and
+            # cutting every part cost 7.1 ms a step at 8 slots holding 200-300 (0.14 ms now; no script kept).
+            held = self._held.setdefault(slot, [])
+            while held and held[-1][0] >= start:
+                held.pop()
+            if held and held[-1][0] + len(held[-1][1]) > start:
+                held[-1] = (held[-1][0], held[-1][1][:start - held[-1][0]])
             assert not held or held[-1][0] + len(held[-1][1]) == start, "observed positions must be contiguous"
-            self._held[slot] = [*held, (start, rows[b].clone())]  # a copy: a view would hold the whole batch's
-        self.write([s for s in set(slots) if sum(len(r) for _, r in self._held[s]) > self.held_positions])
+            held.append((start, rows[b].clone()))  # a copy: a view would hold the whole batch's
+            if start + rows.shape[1] - held[0][0] > self.held_positions:
+                full.append(slot)
+        self.write(full)
 
     def release(self, slot: int, tokens: list[int]) -> None:
         self._held.pop(slot, None)

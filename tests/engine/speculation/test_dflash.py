@@ -83,14 +83,16 @@ def test_held_rows_are_written_as_each_observe_would_have_written_them() -> None
         eager.write()
 
     both([0, 1], [0, 0], 12)  # prompts
-    both([0, 1], [12, 12], 4)  # a verify block each: row 0 commits 3 positions, row 1 one
-    both([0, 1], [15, 13], 4)
+    both([0, 1], [12, 12], 1)  # two plain decode steps (no draft, or proposing skipped)
+    both([0, 1], [13, 13], 1)
+    both([0, 1], [14, 14], 4)  # a verify block each: row 0 commits 3 positions, row 1 one
+    both([0, 1], [17, 15], 4)
     both([1], [0], 6)  # slot 1's next sequence
-    slots, lens, last = [0, 1], [17, 6], torch.tensor([3, 5])
+    slots, lens, last = [0, 1], [19, 6], torch.tensor([3, 5])
     torch.testing.assert_close(lazy.block_logits(slots, lens, last), eager.block_logits(slots, lens, last),
                                atol=1e-5, rtol=1e-5)
     for got, want in ((lazy.cache.k, eager.cache.k), (lazy.cache.v, eager.cache.v)):
-        torch.testing.assert_close(got[:, 0, :, :19], want[:, 0, :, :19], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[:, 0, :, :21], want[:, 0, :, :21], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got[:, 1, :, :6], want[:, 1, :, :6], atol=1e-5, rtol=1e-5)
     lazy.observe([2], [0], [t[:1, :5] for t in taps], tokens[:1, :5])
     lazy.release(2, tokens[0, :5].tolist())  # a finished sequence's held rows are dropped, never written
