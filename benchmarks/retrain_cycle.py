@@ -189,7 +189,7 @@ def cycle(data: Path, args: argparse.Namespace, heldout: list) -> dict:
         if nvfp4:  # nothing ships for it: the daemon's first run makes v1, which the cycle then starts from
             first = wait_for_decision(daemon, up, log, args.timeout_min * 60)
             report["first_drafter"] = first
-            wait_serving(url, serving(daemon, first["event"]), 120)
+            wait_serving(url, serving(status_champion(daemon), first["event"]), 120)
         else:
             wait_serving(url, "v1", 120)  # the registry follower's first look comes after the server is ready
         report["live_heldout_before"] = live_tau(url, heldout)
@@ -198,8 +198,8 @@ def cycle(data: Path, args: argparse.Namespace, heldout: list) -> dict:
         report["gate"] = decided["event"]
         report["cycle_seconds"] = decided["cycle_seconds"]
         version = decided["event"]["version"]
-        report["champion_after"] = httpx.get(f"{daemon}/status", timeout=10).json()["champion"]
-        after = serving(daemon, decided["event"])
+        report["champion_after"] = status_champion(daemon)
+        after = serving(report["champion_after"], decided["event"])
         if after is None or after == version:  # what the decision made serve, from the follower's next look
             wait_serving(url, after, 120)
             report["live_heldout_after"] = live_tau(url, heldout)
@@ -241,10 +241,14 @@ def live_tau(url: str, prompts: list) -> dict:
             "verify_steps": drafts, "accepted_tokens": accepted, "requests": len(spec)}
 
 
-def serving(daemon: str, event: dict) -> str | None:
-    """The drafter version engines serve after gate `event`: none (suffix decoding alone) while there is
-    no champion or the champion is benched, the promoted version, or the champion that stood."""
-    champion = httpx.get(f"{daemon}/status", timeout=10).json()["champion"]
+def status_champion(daemon: str) -> dict | None:
+    return httpx.get(f"{daemon}/status", timeout=10).json()["champion"]
+
+
+def serving(champion: dict | None, event: dict) -> str | None:
+    """The drafter version engines serve after gate `event`, the daemon's `champion` then: none (suffix
+    decoding alone) while there is no champion or it is benched, the promoted version, or the champion
+    that stood."""
     if champion is None or champion["benched"]:
         return None
     return event["version"] if event["action"] == "promoted" else champion["version"]

@@ -153,8 +153,10 @@ def main() -> None:
     tok = loaded.tokenizer
     sent, heldout = traffic_split(prompt_set("formal-logic", None), 0.25)
     encode = lambda p: tok.encode(tok.apply_chat_template(list(p.messages)))  # noqa: E731
-    earlier = [s.tokens for s in read_sequences(args.traces)] if args.traces else greedy_answers(loaded, [encode(p) for p in sent[:args.warm]],
-                                                                     args.max_tokens)
+    if args.traces:
+        earlier = [s.tokens for s in read_sequences(args.traces)]
+    else:
+        earlier = greedy_answers(loaded, [encode(p) for p in sent[:args.warm]], args.max_tokens)
     prompts = [encode(p) for p in heldout[:args.prompts]]
     systems = ("plain", *(s for s in SYSTEMS + COMBINED if s != "plain" and s in args.systems))
     report = {"machine": describe(), "weights": args.weights, "warm_traces": len(earlier),

@@ -437,9 +437,9 @@ class LLMEngine:
     def _decode(self, seqs: list[Sequence], observer: Proposer | None = None) -> list[tuple[Sequence, TokenDelta]]:
         """One plain step; `observer` (a proposer skipped this step) observes its pass as after a verify."""
         block = torch.tensor([[s.last_token] for s in seqs], dtype=torch.long, device=self.model.device)  # [B, 1]
-        taps = observer.tap_layers if observer else ()
+        taps = observer.tap_layers if observer is not None else ()
         logits, tapped = self.runner.run_block(seqs, block, taps)
-        if observer:
+        if observer is not None:
             observer.observe([s.slot for s in seqs], [s.num_cached for s in seqs], tapped, block)
         raw = [self._constrain(seq, logits[b], []) for b, seq in enumerate(seqs)]  # each [1, V]
         tokens = self.sampler.sample(logits, [s.seq_id for s in seqs], [s.params for s in seqs])  # [B, 1]
