@@ -77,10 +77,12 @@ float exp_scalar(float x) {
 
 constexpr int64_t TILE = 4;
 
-// NVFP4 tiles: per 4-row tile and 64-column chunk, each row's 32 code bytes, then each row's 4 E4M3
-// block scales, so a tile chunk is one sequential read of 144 bytes (4.5 bits per weight).
+// NVFP4 tiles: a 4-row tile is two pairs of rows, one after the other; a pair is, per 64-column chunk,
+// its two rows' 32 code bytes each in part order (simd_fp4_x86.h), [A 0-15 | B 0-15 | A 16-31 | B
+// 16-31], then row A's 4 E4M3 block scales and row B's: one sequential read of 72 bytes per chunk
+// (4.5 bits per weight). `FP4_TILE_BYTES` is a tile's bytes per chunk.
 constexpr int64_t FP4_CHUNK = 64, FP4_CODES = FP4_CHUNK / 2, FP4_SCALES = FP4_CHUNK / 16;
-constexpr int64_t FP4_TILE_BYTES = TILE * (FP4_CODES + FP4_SCALES);
+constexpr int64_t FP4_PAIR_BYTES = 2 * (FP4_CODES + FP4_SCALES), FP4_TILE_BYTES = TILE / 2 * FP4_PAIR_BYTES;
 // The kernel's integers are 2 x E2M1 and its scales E4M3 / 256 (simd.h): 256 / 2 brings them back.
 constexpr float FP4_UNIT = 128.f;
 
@@ -197,9 +199,8 @@ Packed pack_matrix(const at::Tensor& w) {
 // each 16-element block's sum exactly in integers. Rows are quantized alone, so a token's result
 // does not depend on what else is in its pass.
 
-// Activations of NVFP4 passes: per row and 64-column chunk, 32 even then 32 odd elements as int8, and
-// per lane of simd::fp4_madd (8 elements) its scale ([s0 s0 s1 s1 s2 s2 s3 s3], one per 16 elements)
-// and 12 times its sum (the weights' offset, simd.h).
+// Activations of NVFP4 passes: per row and 64-column chunk, the 64 elements as int8 in part order
+// (simd_fp4_x86.h), and per block of 16 its scale and 12 times its codes' sum (the weights' offset).
 struct Quantized {
   std::vector<int8_t> q;
   std::vector<float> scales;
@@ -208,68 +209,67 @@ struct Quantized {
 
 void prepare_q8(const float* x, int64_t M, int64_t in, Quantized& out) {
   out.q.resize(M * in);
-  out.scales.resize(M * in / 8);
-  out.offsets.resize(M * in / 8);
-  for (int64_t c = 0; c < M * in / FP4_CHUNK; ++c) {
-    const float* xc = x + c * FP4_CHUNK;
-    int8_t* qc = out.q.data() + c * FP4_CHUNK;
-    for (int64_t b = 0; b < FP4_SCALES; ++b) {
-      int32_t lane_sum[2];
-      const float scale = simd::fp4_quantize_block(xc + 16 * b, qc + 8 * b, qc + FP4_CODES + 8 * b, lane_sum);
-      for (int h = 0; h < 2; ++h) {
-        out.scales[c * 8 + 2 * b + h] = scale;
-        out.offsets[c * 8 + 2 * b + h] = 12 * lane_sum[h];
-      }
+  out.scales.resize(M * in / 16);
+  out.offsets.resize(M * in / 16);
+  for (int64_t c = 0; c < M * in / FP4_CHUNK; ++c)
+    for (int l = 0; l < FP4_SCALES; ++l) {
+      const int64_t b = c * FP4_SCALES + l;
+      int32_t sum;
+      out.scales[b] = simd::fp4_quantize_block(x + 16 * b, out.q.data() + c * FP4_CHUNK, l, &sum);
+      out.offsets[b] = 12 * sum;
     }
-  }
 }
 
-// G rows of quantized activations against one NVFP4 tile: each tile row's chunk is decoded once and
-// serves the G rows. One accumulator per (row, output), summed over the chunks in order, as
-// `tile_rows` does, so each output is formed the same way whatever G is.
+// G rows of quantized activations against one pair of an NVFP4 tile's rows: each chunk is decoded
+// once and serves the G rows. One accumulator per (activation row, pair), summed over the chunks in
+// order, as `tile_rows` does, so each output is formed the same way whatever G is.
 template <int G>
-void fp4_tile_rows(const uint8_t* tile, const int8_t* xq, const float* xs, const int32_t* xo, float* y, int64_t in,
+void fp4_pair_rows(const uint8_t* pair, const int8_t* xq, const float* xs, const int32_t* xo, float* y, int64_t in,
                    int64_t out, int64_t first, float unit) {
-  simd::Fp4Acc acc[G][TILE];
-  for (int g = 0; g < G; ++g)
-    for (int j = 0; j < TILE; ++j) acc[g][j] = simd::fp4_zero();
+  simd::Fp4Acc acc[G];
+  for (int g = 0; g < G; ++g) acc[g] = simd::fp4_zero();
   for (int64_t c = 0; c < in / FP4_CHUNK; ++c) {
-    const uint8_t* wc = tile + c * FP4_TILE_BYTES;
+    const uint8_t* wc = pair + c * FP4_PAIR_BYTES;
     if constexpr (simd::PREFETCH > 0)
-      for (int64_t line = 0; line < FP4_TILE_BYTES; line += 64)
+      for (int64_t line = 0; line < FP4_PAIR_BYTES; line += 64)
         __builtin_prefetch(reinterpret_cast<const char*>(wc) + simd::PREFETCH + line);
-    for (int j = 0; j < TILE; ++j) {
-      const simd::Fp4 w = simd::fp4_decode(wc + j * FP4_CODES, wc + TILE * FP4_CODES + j * FP4_SCALES);
-      for (int g = 0; g < G; ++g)
-        acc[g][j] = simd::fp4_madd(acc[g][j], w, xq + g * in + c * FP4_CHUNK, xs + g * in / 8 + c * 8,
-                                   xo + g * in / 8 + c * 8);
-    }
+    const simd::Fp4Pair w = simd::fp4_pair_decode(wc, wc + 2 * FP4_CODES);
+    for (int g = 0; g < G; ++g)
+      acc[g] = simd::fp4_pair_madd(acc[g], w, xq + g * in + c * FP4_CHUNK, xs + g * in / 16 + c * FP4_SCALES,
+                                   xo + g * in / 16 + c * FP4_SCALES);
   }
   for (int g = 0; g < G; ++g)
-    for (int j = 0; j < TILE && first + j < out; ++j) y[g * out + first + j] = simd::fp4_reduce(acc[g][j]) * unit;
+    for (int r = 0; r < 2 && first + r < out; ++r) y[g * out + first + r] = simd::fp4_pair_reduce(acc[g], r) * unit;
 }
 
 void matmul_fp4(const float* x, const Packed& w, const float* bias, float* y, int64_t M, Quantized& xq) {
-  const int64_t in = w.in(), out = w.out, tiles = (out + TILE - 1) / TILE;
+  static_assert(simd::FP4ROWS >= 1 && simd::FP4ROWS <= 8);
+  const int64_t in = w.in(), out = w.out, tiles = (out + TILE - 1) / TILE, pair_bytes = in / FP4_CHUNK * FP4_PAIR_BYTES;
   prepare_q8(x, M, in, xq);
   const uint8_t* base = w.tiles.data_ptr<uint8_t>();
   const float unit = w.tensor_scale * FP4_UNIT;
   at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* tile = base + t * (in / FP4_CHUNK) * FP4_TILE_BYTES;
-      for (int64_t m = 0; m < M; m += simd::ROWS) {
-        const int8_t* q = xq.q.data() + m * in;
-        const float* s = xq.scales.data() + m * in / 8;
-        const int32_t* o = xq.offsets.data() + m * in / 8;
-        float* ym = y + m * out;
-        switch (std::min<int64_t>(simd::ROWS, M - m)) {
-          case 4: fp4_tile_rows<4>(tile, q, s, o, ym, in, out, t * TILE, unit); break;
-          case 3: fp4_tile_rows<3>(tile, q, s, o, ym, in, out, t * TILE, unit); break;
-          case 2: fp4_tile_rows<2>(tile, q, s, o, ym, in, out, t * TILE, unit); break;
-          default: fp4_tile_rows<1>(tile, q, s, o, ym, in, out, t * TILE, unit); break;
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t p = 0; p < TILE / 2 && t * TILE + 2 * p < out; ++p) {
+        const uint8_t* pair = base + (2 * t + p) * pair_bytes;
+        for (int64_t m = 0; m < M; m += simd::FP4ROWS) {
+          const int8_t* q = xq.q.data() + m * in;
+          const float* s = xq.scales.data() + m * in / 16;
+          const int32_t* o = xq.offsets.data() + m * in / 16;
+          float* ym = y + m * out;
+          const int64_t first = t * TILE + 2 * p;
+          switch (std::min<int64_t>(simd::FP4ROWS, M - m)) {
+            case 8: fp4_pair_rows<8>(pair, q, s, o, ym, in, out, first, unit); break;
+            case 7: fp4_pair_rows<7>(pair, q, s, o, ym, in, out, first, unit); break;
+            case 6: fp4_pair_rows<6>(pair, q, s, o, ym, in, out, first, unit); break;
+            case 5: fp4_pair_rows<5>(pair, q, s, o, ym, in, out, first, unit); break;
+            case 4: fp4_pair_rows<4>(pair, q, s, o, ym, in, out, first, unit); break;
+            case 3: fp4_pair_rows<3>(pair, q, s, o, ym, in, out, first, unit); break;
+            case 2: fp4_pair_rows<2>(pair, q, s, o, ym, in, out, first, unit); break;
+            default: fp4_pair_rows<1>(pair, q, s, o, ym, in, out, first, unit); break;
+          }
         }
       }
-    }
     if (bias != nullptr)
       for (int64_t m = 0; m < M; ++m)
         for (int64_t o = t0 * TILE; o < std::min(out, t1 * TILE); ++o) y[m * out + o] += bias[o];
@@ -290,14 +290,18 @@ Packed pack_fp4_matrix(const at::Tensor& codes, const at::Tensor& scales, double
   for (int64_t i = 0; i < scales.numel(); ++i)
     TORCH_CHECK(sp[i] < 0x7F, "block_scale: E4M3 scales must be non-negative and not NaN");
   const int64_t tiles = (out + TILE - 1) / TILE;
-  auto padded_codes = at::zeros({tiles * TILE, chunks, FP4_CODES}, codes.options());
+  // Each row's chunk in part order: element 16 l + 8 m + 4 h + b (block l) to nibble h of byte 16 m + 4 l + b.
+  const auto elements = at::stack({codes.bitwise_and(0x0F), codes.bitwise_right_shift(4)}, -1);
+  const auto split = elements.view({out, chunks, 4, 2, 2, 4}).permute({0, 1, 3, 2, 5, 4});  // [out, chunk, m, l, b, h]
+  const auto ordered = split.select(-1, 0).bitwise_or(split.select(-1, 1).bitwise_left_shift(4));
+  auto padded_codes = at::zeros({tiles * TILE, chunks, 2, 16}, codes.options());
   auto padded_scales = at::zeros({tiles * TILE, chunks, FP4_SCALES}, codes.options());
-  padded_codes.narrow(0, 0, out).copy_(codes.view({out, chunks, FP4_CODES}));
+  padded_codes.narrow(0, 0, out).copy_(ordered.reshape({out, chunks, 2, 16}));
   padded_scales.narrow(0, 0, out).copy_(scales.view({out, chunks, FP4_SCALES}));
-  // [tiles, chunks, 4 rows x 32 codes | 4 rows x 4 scales]
-  auto c = padded_codes.view({tiles, TILE, chunks, FP4_CODES}).transpose(1, 2).reshape({tiles, chunks, TILE * FP4_CODES});
-  auto s = padded_scales.view({tiles, TILE, chunks, FP4_SCALES}).transpose(1, 2).reshape({tiles, chunks, TILE * FP4_SCALES});
-  return {at::cat({c, s}, 2).contiguous(), out, static_cast<float>(tensor_scale)};
+  // [tiles, pair, chunks, m x (A, B) x 16 codes | (A, B) x 4 scales], read as [tiles, chunks, FP4_TILE_BYTES]
+  auto c = padded_codes.view({tiles, 2, 2, chunks, 2, 16}).permute({0, 1, 3, 4, 2, 5}).reshape({tiles, 2, chunks, 64});
+  auto s = padded_scales.view({tiles, 2, 2, chunks, FP4_SCALES}).permute({0, 1, 3, 2, 4}).reshape({tiles, 2, chunks, 8});
+  return {at::cat({c, s}, 3).contiguous().view({tiles, chunks, FP4_TILE_BYTES}), out, static_cast<float>(tensor_scale)};
 }
 
 // ---- GGUF block rows ---------------------------------------------------------------------------

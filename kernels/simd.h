@@ -7,6 +7,7 @@
 //   W                        fp32 lanes per `Vec`
 //   ROWS                     rows of activations a weight tile is read against at once (registers)
 //   QROWS                    the same for GGUF block tiles (at most 4)
+//   FP4ROWS                  the same for NVFP4 tiles (at most 8)
 //   REGS                     vector registers the compiler has (for blocking choices)
 //   PREFETCH                 bytes of weights to prefetch ahead of the matrix tile being read (0: none)
 //   Vec                      W fp32 lanes
@@ -23,15 +24,16 @@
 //   madd(acc, w, x)          acc + PART bytes of a weight row times the matching activations (PART / 2
 //                            bf16 weights against as many XB, or PART / 4 fp32 against fp32); the lanes
 //                            a product lands in and the order it is added depend only on its index
-//   Fp4, Fp4Acc              one row's 64 NVFP4 weights of a tile chunk, decoded; an accumulator of 8
-//                            fp32 lanes for them (simd_fp4_x86.h says how x86 does it)
-//   fp4_decode(codes, s)     32 code bytes (even elements in the low nibbles) and 4 E4M3 block scales
-//                            -> Fp4: values as 12 + 2 x E2M1 integers, scales as E4M3 / 256
-//   fp4_madd(acc, w, xq, xs, xo)  acc + the row's 64 products with int8 activations xq [32 evens | 32
-//                            odds] of activation scales xs [8] (lane l: block l / 2), xo [8] 12 times
-//                            each lane's activation sum: lane l adds the exact integer sum over
-//                            elements 8 l .. 8 l + 7 (offset removed) times w's scale times xs[l]
-//   fp4_zero, fp4_reduce     an empty accumulator; the sum of its lanes, by a fixed tree
+//   Fp4Pair, Fp4Acc          two rows' 64 NVFP4 weights of a tile chunk (a pair), decoded; an
+//                            accumulator of 8 fp32 lanes for them, one per (row, block of 16)
+//                            (simd_fp4_x86.h says how x86 does it and how the codes are ordered)
+//   fp4_pair_decode(codes, s)  a pair's 64 code bytes in part order and 8 E4M3 block scales -> Fp4Pair:
+//                            values as 12 + 2 x E2M1 integers, scales as E4M3 / 256
+//   fp4_pair_madd(acc, w, xq, xs, xo)  acc + the pair's products with one activation row's chunk: int8
+//                            xq [64] in part order, block scales xs [4], xo [4] 12 times each block's
+//                            activation sum: lane 4 r + l adds the exact integer sum over row r's block l
+//                            (offset removed) times its scale times xs[l]
+//   fp4_zero, fp4_pair_reduce(acc, r)  an empty accumulator; row r's four lanes added by a fixed tree
 //   QBlock                   a GGUF tile's 4 rows' codes of one 32-weight block (K-quants: sub-block),
 //                            decoded from the tile's interleaved bytes (cpu_decode.cpp, "GGUF block rows")
 //   q4_block(qs), q8_block(qs)  a tile block's 64 nibble bytes (Q4_0, Q4_1) or 128 int8 (Q8_0) -> QBlock
@@ -51,8 +53,8 @@
 //   q_zero, q_reduce(acc, r) an empty accumulator; row r's two lanes added
 //   q_quantize_block(x, q, half_sums)  32 fp32 activations -> int8 codes round(x (127 / amax)), ties
 //                            to even; the codes' sums over each 16 in half_sums; returns amax / 127
-//   fp4_quantize_block(x, evens, odds, lane_sums)  the same for 16 activations, even elements' codes
-//                            to evens [8], odd ones' to odds [8], sums over each 8 in lane_sums
+//   fp4_quantize_block(x, chunk, l, sum)  the same for 16 activations, block l of a chunk: codes to
+//                            chunk [64] in part order, their sum to *sum
 //
 // What stays the same on every path: products of bf16 weights and bf16-rounded activations are exact
 // in fp32 and summed in fp32; each output is summed by one fixed order whatever the number of rows,

@@ -1,19 +1,23 @@
 // The x86 NVFP4 pieces of the kernels' vector layer (contract in simd.h), shared by the AVX2 and the
 // AVX-512 BF16 builds: 256-bit integer dot products, which both have (the AVX-512 build adds -mf16c).
 //
-// A row's 64 codes of a tile chunk (32 bytes, even elements in the low nibbles) become two vectors
-// of 32 bytes by one 16-entry byte shuffle each: [evens | odds], 12 + the code's value times 2 (2 x
-// E2M1 is 0, 1, 2, 3, 4, 6, 8, 12 and negatives), unsigned and exact. Activations are int8 in the same
-// split order, so VPMADDUBSW (unsigned times signed bytes) and VPMADDWD leave in each 32-bit lane l
-// the exact integer sum over elements 8 l .. 8 l + 7, all in block l / 2, plus 12 times the sum of
-// those activations, which the activations bring precomputed; one fp32 FMA per lane then applies
-// block scale x activation scale. The offset of 12 saves the two sign operations per row that
-// VPMADDUBSW's unsigned operand would cost otherwise. The four E4M3 block scales become fp16 by a shift of 7 bits
-// (value / 256, subnormals included, since both formats have 3 mantissa bits and E4M3's sign is 0
-// here) and fp32 by VCVTPH2PS. Against decoding every weight to fp32 (a permute, sign bits and a
-// multiply per 8 weights) this does one shuffle per 32 weights and reads nothing but codes and scales.
-// On AVX-512 a 512-bit form with VPDPBUSD would take two tile rows at once; it is not written, since
-// no machine here runs that build to measure or test it.
+// A register holds two tile rows (a pair): its low 128 bits row A's part of a 64-column chunk, its
+// high 128 bits row B's. `pack_fp4_matrix` orders each row's 32 code bytes so that the low nibbles of
+// bytes 0-15, their high nibbles, the low nibbles of bytes 16-31 and their high nibbles are four
+// parts k = 0 .. 3 in which byte 4 l + b holds element 4 k + b of block l (16 elements a block): one
+// 16-entry byte shuffle per part makes the codes 12 + 2 x E2M1 (0, 1, 2, 3, 4, 6, 8, 12 and
+// negatives, unsigned and exact). The activations come as int8 in the same part order, each 16-byte
+// part broadcast to both halves, so four VPMADDUBSW added in int16 and one VPMADDWD leave in 32-bit
+// lane l of each half the exact integer sum over block l of that row, plus 12 times the activations'
+// block sum, which they bring precomputed. One fp32 FMA then applies block scale x activation scale:
+// per (activation row, pair, chunk) 4 VPMADDUBSW, 3 VPADDW, 1 VPMADDWD, a subtraction, a conversion,
+// a multiply and an FMA for 128 weights, where one row's chunk at a time took 2 VPMADDUBSW, a VPADDW, a
+// VPMADDWD, a subtraction, a conversion, a multiply and an FMA for each 64 (the whole-pass figures in
+// docs/performance.md). The offset of 12 saves the two sign operations per row that VPMADDUBSW's
+// unsigned operand would cost otherwise. The pair's eight E4M3 block scales become fp16 by a shift of
+// 7 bits (value / 256, subnormals included, since both formats have 3 mantissa bits and E4M3's sign is
+// 0 here) and fp32 by VCVTPH2PS. On AVX-512 a 512-bit form with VPDPBUSD would take both pairs of a
+// tile at once; it is not written, since no machine here runs that build to measure or test it.
 
 #pragma once
 
@@ -24,47 +28,53 @@
 
 namespace simd {
 
-struct Fp4 {
-  __m256i even, odd;  // 12 + 2 x E2M1 of elements 2 i and 2 i + 1, i = 0 .. 31
-  __m256 scale;       // lane l: the scale / 256 of block l / 2
+struct Fp4Pair {
+  __m256i part[4];  // 12 + 2 x E2M1; half h (row A, B), byte 4 l + b of part k: block l's element 4 k + b
+  __m256 scale;     // lane 4 h + l: the scale / 256 of the row's block l
 };
-using Fp4Acc = __m256;
+using Fp4Acc = __m256;  // lanes 0-3: row A's blocks, 4-7: row B's
 
 inline Fp4Acc fp4_zero() { return _mm256_setzero_ps(); }
 
-inline Fp4 fp4_decode(const uint8_t* codes, const uint8_t* scales) {
+// A pair's 64 code bytes (two loads of [row A's 16 | row B's 16]) and 8 E4M3 scales (row A's 4, row B's 4).
+inline Fp4Pair fp4_pair_decode(const uint8_t* codes, const uint8_t* scales) {
   const __m256i table = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
                                          12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
   const __m256i nibble = _mm256_set1_epi8(0x0F);
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
-  Fp4 w;
-  w.even = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, nibble));
-  w.odd = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble));
-  uint32_t four;
-  std::memcpy(&four, scales, 4);
-  // Each scale byte twice, zero-extended to 16 bits: [s0 s0 s1 s1 s2 s2 s3 s3].
-  const __m128i pairs = _mm_shuffle_epi8(_mm_cvtsi32_si128(static_cast<int>(four)),
-                                         _mm_setr_epi8(0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3, -1));
-  w.scale = _mm256_cvtph_ps(_mm_slli_epi16(pairs, 7));
+  Fp4Pair w;
+  for (int m = 0; m < 2; ++m) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 32 * m));
+    w.part[2 * m] = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, nibble));
+    w.part[2 * m + 1] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble));
+  }
+  uint64_t eight;
+  std::memcpy(&eight, scales, 8);
+  const __m128i wide = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(eight)));
+  w.scale = _mm256_cvtph_ps(_mm_slli_epi16(wide, 7));
   return w;
 }
 
-// acc + one row's 64 products: xq [32 evens | 32 odds] int8, xs [8] the activation scale of each lane,
-// xo [8] 12 times the sum of each lane's activations.
-inline Fp4Acc fp4_madd(Fp4Acc acc, const Fp4& w, const int8_t* xq, const float* xs, const int32_t* xo) {
-  const __m256i even = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-  const __m256i odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
-  // w + 12 <= 24 and |x| <= 127: a pair is at most 6096 and four 12192, inside int16 (no saturation).
-  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w.even, even), _mm256_maddubs_epi16(w.odd, odd));
-  const __m256i sums = _mm256_sub_epi32(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)),
-                                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xo)));
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(w.scale, _mm256_loadu_ps(xs)), acc);
+// A 16-byte part of the activations in both halves.
+inline __m256i fp4_broadcast16(const void* p) {
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
-inline float fp4_reduce(Fp4Acc x) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+// acc + the pair's products with one activation row's chunk: xq [64] int8 in part order, xs [4] the
+// activations' block scales, xo [4] 12 times their block sums.
+inline Fp4Acc fp4_pair_madd(Fp4Acc acc, const Fp4Pair& w, const int8_t* xq, const float* xs, const int32_t* xo) {
+  // w + 12 <= 24 and |x| <= 127: a VPMADDUBSW pair is at most 6096 and four parts' 24,384, inside int16.
+  __m256i pairs = _mm256_maddubs_epi16(w.part[0], fp4_broadcast16(xq));
+  for (int k = 1; k < 4; ++k) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w.part[k], fp4_broadcast16(xq + 16 * k)));
+  const __m256i sums = _mm256_sub_epi32(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)), fp4_broadcast16(xo));
+  const __m256 scale = _mm256_mul_ps(w.scale, _mm256_castsi256_ps(fp4_broadcast16(xs)));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc);
+}
+
+// Row r's (0: A, 1: B) total: (lane 0 + lane 1) + (lane 2 + lane 3) of its half.
+inline float fp4_pair_reduce(Fp4Acc x, int r) {
+  const __m128 h = r == 0 ? _mm256_castps256_ps128(x) : _mm256_extractf128_ps(x, 1);
+  const __m128 s = _mm_add_ps(h, _mm_movehdup_ps(h));  // lanes 0, 2: l0 + l1, l2 + l3
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehl_ps(s, s)));
 }
 
 }  // namespace simd

@@ -1,7 +1,7 @@
 // Activations to int8 on x86, as the NVFP4 and GGUF matrix paths meet them (contract in simd.h),
 // shared by the AVX2 and AVX-512 BF16 builds: per block, codes round(x (127 / amax)), ties to even
 // (as the portable path's std::nearbyint in the default rounding mode: the same codes on every path),
-// scale amax / 127, and the codes' sums per 8 or 16. Scalar, this took 0.4 ms of a 3.9 ms one-row
+// scale amax / 127, and the codes' sums per 16. Scalar, this took 0.4 ms of a 3.9 ms one-row
 // pass of SmolLM2's GGUF layers here (Zen 3), and about 1.5 ms of a 10 ms 4-row one.
 
 #pragma once
@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 namespace simd {
 
@@ -52,17 +53,16 @@ inline float q_quantize_block(const float* x, int8_t* q, int32_t* half_sums) {
   return amax / 127.f;
 }
 
-// NVFP4: a block of 16 activations -> its 8 even elements' codes at evens [8], its odd ones' at
-// odds [8] (a chunk's split order, simd_fp4_x86.h), the codes' sums over each 8 in order.
-inline float fp4_quantize_block(const float* x, int8_t* evens, int8_t* odds, int32_t* lane_sums) {
+// NVFP4: block l (0 .. 3) of a chunk's 64 activations, 16 at x -> its codes in the chunk's part order
+// (simd_fp4_x86.h: element 4 k + b to chunk[16 k + 4 l + b]), the codes' sum to *sum.
+inline float fp4_quantize_block(const float* x, int8_t* chunk, int l, int32_t* sum) {
   const __m256 v[2] = {_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8)};
   const float amax = amax_of(v, 2);
   const __m256i n[2] = {int8_codes(v[0], amax), int8_codes(v[1], amax)};
-  for (int h = 0; h < 2; ++h) lane_sums[h] = sum_of(n[h]);
-  const __m128i split = _mm_shuffle_epi8(to_bytes(n[0], n[1]),
-                                         _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(evens), split);
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(odds), _mm_unpackhi_epi64(split, split));
+  *sum = sum_of(_mm256_add_epi32(n[0], n[1]));
+  alignas(16) int8_t codes[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(codes), to_bytes(n[0], n[1]));
+  for (int k = 0; k < 4; ++k) std::memcpy(chunk + 16 * k + 4 * l, codes + 4 * k, 4);
   return amax / 127.f;
 }
 

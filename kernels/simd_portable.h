@@ -14,6 +14,7 @@ constexpr const char* ISA = "portable";
 constexpr int W = 8;
 constexpr int ROWS = 2;
 constexpr int QROWS = 2;  // GGUF tiles, as ROWS
+constexpr int FP4ROWS = 2;  // NVFP4 pairs, as ROWS
 constexpr int REGS = 16;
 constexpr int64_t PART = 32;
 // Bytes of weights prefetched ahead, as on the AVX2 path (simd_avx2.h says why).
@@ -66,15 +67,15 @@ inline Vec madd(Vec acc, const float* w, const float* x) {
   return acc;
 }
 
-// NVFP4 as on x86 (simd_fp4_x86.h): codes as 12 + 2 x E2M1 in [evens | odds] order, exact integer sums
-// per lane of 8 elements less the activations' share of the offset, one multiply-add per lane by
-// block scale x activation scale.
-struct Fp4 {
-  uint8_t even[32], odd[32];  // 12 + 2 x E2M1 of elements 2 i and 2 i + 1
-  float scale[W];             // lane l: the scale / 256 of block l / 2
+// NVFP4 as on x86 (simd_fp4_x86.h): a pair of tile rows' codes as 12 + 2 x E2M1 in part order, per
+// (row, block) one exact integer sum less the activations' share of the offset, one multiply-add per
+// lane by block scale x activation scale.
+struct Fp4Pair {
+  uint8_t part[4][32];  // half h (row A, B), byte 16 h + 4 l + b of part k: block l's element 4 k + b
+  float scale[8];       // lane 4 h + l: the scale / 256 of the row's block l
 };
 struct Fp4Acc {
-  float v[W];
+  float v[8];  // lanes 0-3: row A's blocks, 4-7: row B's
 };
 
 inline Fp4Acc fp4_zero() { return {}; }
@@ -86,30 +87,32 @@ inline float e4m3_over_256(uint8_t b) {
   return e ? std::ldexp(1.0f + m / 8.0f, e - 15) : std::ldexp(m / 8.0f, -14);
 }
 
-inline Fp4 fp4_decode(const uint8_t* codes, const uint8_t* scales) {
+inline Fp4Pair fp4_pair_decode(const uint8_t* codes, const uint8_t* scales) {
   static constexpr uint8_t table[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
-  Fp4 w;
-  for (int i = 0; i < 32; ++i) {
-    w.even[i] = table[codes[i] & 0xF];
-    w.odd[i] = table[codes[i] >> 4];
-  }
-  for (int l = 0; l < W; ++l) w.scale[l] = e4m3_over_256(scales[l / 2]);
+  Fp4Pair w;
+  for (int m = 0; m < 2; ++m)
+    for (int i = 0; i < 32; ++i) {
+      w.part[2 * m][i] = table[codes[32 * m + i] & 0xF];
+      w.part[2 * m + 1][i] = table[codes[32 * m + i] >> 4];
+    }
+  for (int l = 0; l < 8; ++l) w.scale[l] = e4m3_over_256(scales[l]);
   return w;
 }
 
-inline Fp4Acc fp4_madd(Fp4Acc acc, const Fp4& w, const int8_t* xq, const float* xs, const int32_t* xo) {
-  for (int l = 0; l < W; ++l) {
+inline Fp4Acc fp4_pair_madd(Fp4Acc acc, const Fp4Pair& w, const int8_t* xq, const float* xs, const int32_t* xo) {
+  for (int lane = 0; lane < 8; ++lane) {
+    const int h = lane / 4, l = lane % 4;
     int32_t s = -xo[l];
-    for (int i = 4 * l; i < 4 * l + 4; ++i) s += w.even[i] * xq[i] + w.odd[i] * xq[32 + i];
-    acc.v[l] += static_cast<float>(s) * (w.scale[l] * xs[l]);
+    for (int k = 0; k < 4; ++k)
+      for (int b = 0; b < 4; ++b) s += w.part[k][16 * h + 4 * l + b] * xq[16 * k + 4 * l + b];
+    acc.v[lane] += static_cast<float>(s) * (w.scale[lane] * xs[l]);
   }
   return acc;
 }
 
-inline float fp4_reduce(Fp4Acc x) {
-  Vec v;
-  std::memcpy(v.v, x.v, sizeof(v.v));
-  return reduce(v);
+inline float fp4_pair_reduce(Fp4Acc x, int r) {
+  const float* v = x.v + 4 * r;
+  return (v[0] + v[1]) + (v[2] + v[3]);
 }
 
 // GGUF blocks as on x86 (simd_ggml_x86.h): a tile's four rows at once, per row two lanes of exact
@@ -172,15 +175,15 @@ inline float q_quantize_block(const float* x, int8_t* q, int32_t* half_sums) {
   return amax / 127.f;
 }
 
-inline float fp4_quantize_block(const float* x, int8_t* evens, int8_t* odds, int32_t* lane_sums) {
+inline float fp4_quantize_block(const float* x, int8_t* chunk, int l, int32_t* sum) {
   float amax = 0.f;
   for (int i = 0; i < 16; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
-  lane_sums[0] = lane_sums[1] = 0;
+  *sum = 0;
   for (int i = 0; i < 16; ++i) {
     const int8_t q = static_cast<int8_t>(std::nearbyint(x[i] * inv));
-    (i % 2 ? odds : evens)[i / 2] = q;
-    lane_sums[i / 8] += q;
+    chunk[16 * (i / 4) + 4 * l + i % 4] = q;
+    *sum += q;
   }
   return amax / 127.f;
 }

@@ -73,6 +73,21 @@ def test_zero_blocks_and_small_scales_are_exact_zeros(kernel: ModuleType) -> Non
     assert relative_l2(got, expected) < 1e-2
 
 
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_extreme_codes_against_extreme_activations_are_exact(kernel: ModuleType, sign: float) -> None:
+    """Every weight at the format's largest magnitude (code 12 + 2 x 6 = 24, or 0) against activations
+    that quantize to +-127: a register's int16 lanes hold four parts' sums at their bound (24,384),
+    and any more added there, or a saturating pair, would show here."""
+    w = torch.full((8, 576), 6.0)
+    w[1::2] = -6.0
+    q = quantize(w)
+    x = torch.full((5, 576), sign)
+    x[1, ::3] = -sign
+    expected = x @ dequantize(q).T
+    got = nvfp4_linear(kernel, x, q)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-3), (got - expected).abs().max()
+
+
 def test_refuses_what_it_cannot_run(kernel: ModuleType) -> None:
     q = quantize(torch.randn(8, 64))
     codes, scales = q.packed, q.block_scale.view(torch.uint8)
