@@ -2,8 +2,8 @@
 
 Speculation pays off by `τ / (verify cost / decode cost + drafter cost)`, so the price of feeding a
 block of n tokens instead of one is half of every speedup. This measures one forward pass of the
-fused C++ decoder (`kernels/cpu_decode.cpp`, the LM head left out) for n = 1, 2, 3, 4, 8 rows of
-one sequence at several context lengths, on the real model's weights and a filled KV cache: bf16
+fused C++ decoder (`kernels/cpu_decode.cpp`, the LM head left out) for n rows (`--rows`, by default
+1, 2, 3, 4 and 8) of one sequence at several context lengths, on the real model's weights and a filled KV cache: bf16
 (the GGUF dequantized) or, with `--weights gguf`, the file's own Q4_1 blocks, or NVFP4 (`nvfp4`).
 
 With `--baseline-rev REV` the kernel source at git revision REV is built too, for the same
@@ -42,18 +42,21 @@ sys.path.append(str(Path(__file__).resolve().parents[1]))  # `benchmarks`; last,
 from benchmarks.machine import describe  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "verify_pass.json"
-ROWS = (1, 2, 3, 4, 8)
 WEIGHTS = {"bf16": WeightFormat(), "gguf": WeightFormat("gguf"), "nvfp4": WeightFormat("nvfp4")}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--contexts", type=int, nargs="+", default=[300, 700, 1000], help="cached tokens before the pass")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 8], help="rows per pass (1 first: the ratios)")
     p.add_argument("--repeats", type=int, default=30, help="passes per cell (the median is reported)")
     p.add_argument("--baseline-rev", help="git revision whose kernel to measure side by side")
     p.add_argument("--weights", choices=sorted(WEIGHTS), default="bf16", help="how the target holds its weights")
     p.add_argument("--out", type=Path, default=RESULTS)
-    return p.parse_args()
+    args = p.parse_args()
+    if 1 not in args.rows or min(args.rows) < 1:
+        p.error("--rows: positive counts, 1 among them (every pass is set against the one-row pass)")
+    return args
 
 
 def baseline_kernel(rev: str, workdir: Path) -> types.SimpleNamespace:
@@ -92,7 +95,7 @@ def main() -> None:
     model = load_for_inference(gguf, torch.bfloat16, torch.device("cpu"), WEIGHTS[args.weights]).model
     if model.fused_decoder is None:
         raise SystemExit("the fused CPU kernel does not build on this machine: nothing to measure")
-    cache = KVCache(model.config, 1, max(args.contexts) + max(ROWS), cache_dtype(model.dtype, model.device),
+    cache = KVCache(model.config, 1, max(args.contexts) + max(args.rows), cache_dtype(model.dtype, model.device),
                     model.device)
     torch.manual_seed(0)
     cache.k.normal_()  # attention reads every cached row: give it real numbers, not zeros
@@ -103,7 +106,7 @@ def main() -> None:
             decoders = {"baseline": FusedDecoder(baseline_kernel(args.baseline_rev, Path(workdir)), model), **decoders}
         cells = []
         for context in args.contexts:
-            for n in ROWS:
+            for n in args.rows:
                 ms = median_ms(decoders, cache, model.config.hidden_size, context, n, args.repeats)
                 cells.append({"context": context, "rows": n, "ms": ms})
                 print(f"context {context} rows {n}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()), flush=True)

@@ -507,6 +507,10 @@ void matmul_ggml_as(const float* x, const Packed& w, const float* bias, float* y
       for (int64_t m = 0; m < M; m += simd::QROWS) {
         float* ym = y + m * out;
         switch (std::min<int64_t>(simd::QROWS, M - m)) {
+          case 8: tile_rows_of<T, 8>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
+          case 7: tile_rows_of<T, 7>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
+          case 6: tile_rows_of<T, 6>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
+          case 5: tile_rows_of<T, 5>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
           case 4: tile_rows_of<T, 4>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
           case 3: tile_rows_of<T, 3>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
           case 2: tile_rows_of<T, 2>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;

@@ -6,7 +6,7 @@
 //   ISA                      the path's name, as `kernels/cpu_features.py` spells it
 //   W                        fp32 lanes per `Vec`
 //   ROWS                     rows of activations a weight tile is read against at once (registers)
-//   QROWS                    the same for GGUF block tiles (at most 4)
+//   QROWS                    the same for GGUF block tiles (at most 8)
 //   FP4ROWS                  the same for NVFP4 tiles (at most 8)
 //   REGS                     vector registers the compiler has (for blocking choices)
 //   PREFETCH                 bytes of weights to prefetch ahead of the matrix tile being read (0: none)

@@ -19,7 +19,7 @@ namespace simd {
 constexpr const char* ISA = "avx2";
 constexpr int W = 8;
 constexpr int ROWS = 2;  // 2 rows x 4 tile rows = 8 accumulators of the 16 registers
-constexpr int QROWS = 4;  // GGUF tiles: 4 accumulators, a decoded block and its scales (simd_ggml_x86.h)
+constexpr int QROWS = 8;  // GGUF tiles: 8 accumulators, a decoded block and its scales (simd_ggml_x86.h)
 constexpr int FP4ROWS = 8;  // NVFP4 tiles: 8 accumulators, a decoded pair of tile rows and its scales (simd_fp4_x86.h)
 constexpr int REGS = 16;
 // 32 bytes per `madd`, so 2 rows x 4 tile rows of accumulators, one part of each row's activations

@@ -16,7 +16,7 @@ namespace simd {
 constexpr const char* ISA = "avx512_bf16";
 constexpr int W = 16;
 constexpr int ROWS = 4;  // 4 rows x 4 tile rows = 16 accumulators of the 32 registers
-constexpr int QROWS = 4;  // GGUF tiles, as on AVX2
+constexpr int QROWS = 8;  // GGUF tiles, as on AVX2
 constexpr int FP4ROWS = 8;  // NVFP4 tiles, as on AVX2
 constexpr int REGS = 32;
 constexpr int64_t PART = 64;  // one register of weights
