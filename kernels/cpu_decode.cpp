@@ -114,11 +114,22 @@ void tile_rows(const T* tile, const Activation<T>* x, float* y, int64_t in, int6
     for (int j = 0; j < TILE && first + j < out; ++j) y[g * out + first + j] = simd::reduce(acc[g][j]);
 }
 
+// Calls f(std::integral_constant<int, G>{}) with G = n (1 <= n <= MAX): a pass's activation rows
+// against a tile as a template argument, so each G compiles its own loop with its accumulators in
+// registers.
+template <int MAX, typename F>
+void with_rows(int64_t n, F&& f) {
+  static_assert(MAX >= 1 && MAX <= 8);
+  if constexpr (MAX > 1) {
+    if (n < MAX) return with_rows<MAX - 1>(n, f);
+  }
+  f(std::integral_constant<int, MAX>{});
+}
+
 // x [M, in] (prepared for the weight's element type) times packed w -> y [M, out] fp32; both threads
 // split the tiles, so each weight is read from memory once per call.
 template <typename T>
 void matmul_rows(const Activation<T>* x, const T* w, const float* bias, float* y, int64_t M, int64_t in, int64_t out) {
-  static_assert(simd::ROWS >= 1 && simd::ROWS <= 4);
   const int64_t tiles = (out + TILE - 1) / TILE;
   at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -126,12 +137,7 @@ void matmul_rows(const Activation<T>* x, const T* w, const float* bias, float* y
       for (int64_t m = 0; m < M; m += simd::ROWS) {
         const Activation<T>* xm = x + m * in;
         float* ym = y + m * out;
-        switch (std::min<int64_t>(simd::ROWS, M - m)) {
-          case 4: tile_rows<4>(tile, xm, ym, in, out, t * TILE); break;
-          case 3: tile_rows<3>(tile, xm, ym, in, out, t * TILE); break;
-          case 2: tile_rows<2>(tile, xm, ym, in, out, t * TILE); break;
-          default: tile_rows<1>(tile, xm, ym, in, out, t * TILE); break;
-        }
+        with_rows<simd::ROWS>(M - m, [&](auto g) { tile_rows<decltype(g)::value>(tile, xm, ym, in, out, t * TILE); });
       }
     }
     if (bias != nullptr)
@@ -243,7 +249,6 @@ void fp4_pair_rows(const uint8_t* pair, const int8_t* xq, const float* xs, const
 }
 
 void matmul_fp4(const float* x, const Packed& w, const float* bias, float* y, int64_t M, Quantized& xq) {
-  static_assert(simd::FP4ROWS >= 1 && simd::FP4ROWS <= 8);
   const int64_t in = w.in(), out = w.out, tiles = (out + TILE - 1) / TILE, pair_bytes = in / FP4_CHUNK * FP4_PAIR_BYTES;
   prepare_q8(x, M, in, xq);
   const uint8_t* base = w.tiles.data_ptr<uint8_t>();
@@ -258,16 +263,9 @@ void matmul_fp4(const float* x, const Packed& w, const float* bias, float* y, in
           const int32_t* o = xq.offsets.data() + m * in / 16;
           float* ym = y + m * out;
           const int64_t first = t * TILE + 2 * p;
-          switch (std::min<int64_t>(simd::FP4ROWS, M - m)) {
-            case 8: fp4_pair_rows<8>(pair, q, s, o, ym, in, out, first, unit); break;
-            case 7: fp4_pair_rows<7>(pair, q, s, o, ym, in, out, first, unit); break;
-            case 6: fp4_pair_rows<6>(pair, q, s, o, ym, in, out, first, unit); break;
-            case 5: fp4_pair_rows<5>(pair, q, s, o, ym, in, out, first, unit); break;
-            case 4: fp4_pair_rows<4>(pair, q, s, o, ym, in, out, first, unit); break;
-            case 3: fp4_pair_rows<3>(pair, q, s, o, ym, in, out, first, unit); break;
-            case 2: fp4_pair_rows<2>(pair, q, s, o, ym, in, out, first, unit); break;
-            default: fp4_pair_rows<1>(pair, q, s, o, ym, in, out, first, unit); break;
-          }
+          with_rows<simd::FP4ROWS>(M - m, [&](auto g) {
+            fp4_pair_rows<decltype(g)::value>(pair, q, s, o, ym, in, out, first, unit);
+          });
         }
       }
     if (bias != nullptr)
@@ -506,16 +504,9 @@ void matmul_ggml_as(const float* x, const Packed& w, const float* bias, float* y
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t m = 0; m < M; m += simd::QROWS) {
         float* ym = y + m * out;
-        switch (std::min<int64_t>(simd::QROWS, M - m)) {
-          case 8: tile_rows_of<T, 8>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
-          case 7: tile_rows_of<T, 7>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
-          case 6: tile_rows_of<T, 6>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
-          case 5: tile_rows_of<T, 5>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
-          case 4: tile_rows_of<T, 4>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
-          case 3: tile_rows_of<T, 3>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
-          case 2: tile_rows_of<T, 2>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
-          default: tile_rows_of<T, 1>(base + t * bytes, xq, m, ym, in, out, t * TILE); break;
-        }
+        with_rows<simd::QROWS>(M - m, [&](auto g) {
+          tile_rows_of<T, decltype(g)::value>(base + t * bytes, xq, m, ym, in, out, t * TILE);
+        });
       }
     }
     if (bias != nullptr)

@@ -54,7 +54,7 @@ inline Fp4Pair fp4_pair_decode(const uint8_t* codes, const uint8_t* scales) {
   return w;
 }
 
-// A 16-byte part of the activations in both halves.
+// 16 bytes of the activations (a part, or 4 int32) in both halves.
 inline __m256i fp4_broadcast16(const void* p) {
   return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
@@ -66,7 +66,7 @@ inline Fp4Acc fp4_pair_madd(Fp4Acc acc, const Fp4Pair& w, const int8_t* xq, cons
   __m256i pairs = _mm256_maddubs_epi16(w.part[0], fp4_broadcast16(xq));
   for (int k = 1; k < 4; ++k) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w.part[k], fp4_broadcast16(xq + 16 * k)));
   const __m256i sums = _mm256_sub_epi32(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)), fp4_broadcast16(xo));
-  const __m256 scale = _mm256_mul_ps(w.scale, _mm256_castsi256_ps(fp4_broadcast16(xs)));
+  const __m256 scale = _mm256_mul_ps(w.scale, _mm256_broadcast_ps(reinterpret_cast<const __m128*>(xs)));
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc);
 }
 
