@@ -9,7 +9,9 @@ fused C++ decoder (`kernels/cpu_decode.cpp`, the LM head left out) for n rows (`
 With `--baseline-rev REV` the kernel source at git revision REV is built too, for the same
 instruction set (its `Decoder` renamed, so both load in one process), and measured interleaved with
 this checkout's, pass by pass, so both see the same machine: the side-by-side figure for a kernel
-change. Revisions before the per-instruction-set builds are AVX-512 BF16 code and build only there.
+change. With `--weights gguf` the baseline reads the file's blocks as its own `pack_ggml` lays them
+out (a second copy of the model), since a kernel change may lay the tiles out differently. Revisions
+before the per-instruction-set builds are AVX-512 BF16 code and build only there.
 
 Writes `benchmarks/results/verify_pass.json` and prints a markdown table. Run:
 `.venv/bin/python benchmarks/verify_pass.py --baseline-rev HEAD~1`. This is not a test: it asserts
@@ -31,9 +33,11 @@ from pathlib import Path
 import torch
 
 from specloop.engine.cpu.fused_decode import FusedDecoder
-from specloop.engine.loaders.load import default_model_path, load_for_inference
+from specloop.engine.loaders.load import (build_model, default_model_path, gguf_modules, load_for_inference,
+                                          read_stored_model)
 from specloop.engine.loaders.weight_format import WeightFormat
 from specloop.engine.model.attention import cache_dtype
+from specloop.engine.model.gguf_linear import apply_gguf
 from specloop.engine.model.kv_cache import AttnBatch, KVCache
 from specloop.kernels.cpu_decode import SOURCE as KERNEL
 from specloop.kernels.cpu_decode import compile_module, cpu_plan
@@ -70,7 +74,18 @@ def baseline_kernel(rev: str, workdir: Path) -> types.SimpleNamespace:
     source = workdir / "baseline_cpu_decode.cpp"
     source.write_text(re.sub(r"\bDecoder\b", "BaselineDecoder", git("show", f"{rev}:kernels/{KERNEL.name}")))
     module = compile_module("baseline_cpu_decode", source, cpu_plan().isa, workdir)
-    return types.SimpleNamespace(Decoder=module.BaselineDecoder, isa=cpu_plan().isa)
+    return types.SimpleNamespace(Decoder=module.BaselineDecoder, pack_ggml=module.pack_ggml, isa=cpu_plan().isa)
+
+
+def baseline_target(model: torch.nn.Module, gguf: Path, weights: str, kernel: types.SimpleNamespace) -> torch.nn.Module:
+    """The target the baseline kernel runs: `model` itself, but for `gguf` weights a copy whose tiles
+    the baseline packed (the `Decoder` packs dense and NVFP4 matrices itself)."""
+    if weights != "gguf":
+        return model
+    path, stored = read_stored_model(gguf)
+    copy = build_model(stored, model.dtype, model.device)
+    apply_gguf(copy, gguf_modules(path, stored, model.device), kernel)
+    return copy
 
 
 def median_ms(decoders: dict[str, FusedDecoder], cache: KVCache, hidden: int, context: int, n: int,
@@ -103,7 +118,9 @@ def main() -> None:
     decoders = {"this": model.fused_decoder}
     with tempfile.TemporaryDirectory() as workdir:
         if args.baseline_rev:
-            decoders = {"baseline": FusedDecoder(baseline_kernel(args.baseline_rev, Path(workdir)), model), **decoders}
+            baseline = baseline_kernel(args.baseline_rev, Path(workdir))
+            target = baseline_target(model, gguf, args.weights, baseline)
+            decoders = {"baseline": FusedDecoder(baseline, target), **decoders}
         cells = []
         for context in args.contexts:
             for n in args.rows:

@@ -170,18 +170,22 @@ constexpr int64_t q_code_bytes(Ggml t) {
 constexpr int64_t q_sub_scale_bytes(Ggml t) { return t == Ggml::Q6_K ? 16 : t == Ggml::Q4_K ? 12 : 0; }
 constexpr int64_t q_scale_bytes(Ggml t) { return t == Ggml::Q4_1 || t == Ggml::Q4_K ? 4 : 2; }
 constexpr int64_t q_block_bytes(Ggml t) { return q_code_bytes(t) + q_sub_scale_bytes(t) + q_scale_bytes(t); }
-constexpr int64_t q_tile_bytes(Ggml t) { return TILE * q_block_bytes(t); }
+// Q4_0 and Q4_1 tiles are 8 rows high: one register holds 4 codes of each of 8 rows, so a block's
+// sum per row is formed in int16 and converted once (simd_ggml_x86.h); the other formats' are 4 rows.
+constexpr int64_t q_tile_rows(Ggml t) { return t == Ggml::Q4_0 || t == Ggml::Q4_1 ? 2 * TILE : TILE; }
+constexpr int64_t q_tile_bytes(Ggml t) { return q_tile_rows(t) * q_block_bytes(t); }
 
 // A weight packed by `pack` (bf16 or fp32), `pack_nvfp4` or `pack_ggml` (uint8), with its true number
 // of output rows and, for NVFP4, its tensor scale, for GGUF blocks their format.
 struct Packed {
   at::Tensor tiles;  // [ceil(out / 4), in / V, 4, V], NVFP4 [ceil(out / 4), in / 64, FP4_TILE_BYTES],
-                     // GGUF [ceil(out / 4), in / q_block_weights, q_tile_bytes]
+                     // GGUF [ceil(out / q_tile_rows), in / q_block_weights, q_tile_bytes]
   int64_t out = 0;
   float tensor_scale = 0.f;
   Ggml ggml = Ggml::NONE;
   bool quantized() const { return tiles.scalar_type() == at::kByte; }
   bool fp4() const { return quantized() && ggml == Ggml::NONE; }
+  int64_t tile_rows() const { return ggml == Ggml::NONE ? TILE : q_tile_rows(ggml); }
   int64_t in() const {
     if (!quantized()) return tiles.size(1) * tiles.size(3);
     return tiles.size(1) * (fp4() ? FP4_CHUNK : q_block_weights(ggml));
@@ -310,11 +314,12 @@ Packed pack_fp4_matrix(const at::Tensor& codes, const at::Tensor& scales, double
 // activations' block sum once per tile row and block, apart from the products. Rows are quantized
 // alone, so a token's result does not depend on what else is in its pass.
 //
-// Tiles: per 4-row tile and block, the rows' codes interleaved eight bytes at a time (row 0's bytes
-// 0-7, row 1's 0-7, .., row 3's, then each row's 8-15, ..), so that one 32-byte load holds the same
-// bytes of all four rows, then the rows' sub-block scales (K-quants, one row after another), then
-// their fp16 scales (Q4_1: the four d, then the four m; Q4_K: d, then dmin). A tile's block is one
-// sequential read of 72 (Q4_0), 80 (Q4_1), 136 (Q8_0), 576 (Q4_K) or 840 (Q6_K) bytes: 4.5, 5, 8.5,
+// Tiles (`q_tile_rows`: 8 rows for Q4_0 and Q4_1, 4 for the others): per tile and block, the rows'
+// codes interleaved 32 / rows bytes at a time (8 rows: row 0's bytes 0-3, row 1's 0-3, .., row 7's,
+// then each row's 4-7, ..; 4 rows: eight bytes at a time), so that one 32-byte load holds the same
+// bytes of every row, then the rows' sub-block scales (K-quants, one row after another), then their
+// fp16 scales (Q4_1: the rows' d, then their m; Q4_K: d, then dmin). A tile's block is one
+// sequential read of 144 (Q4_0), 160 (Q4_1), 136 (Q8_0), 576 (Q4_K) or 840 (Q6_K) bytes: 4.5, 5, 8.5,
 // 4.5 and 6.56 bits per weight, the file's own bytes.
 
 struct QuantizedQ8 {
@@ -355,37 +360,60 @@ void store_tile(const simd::QAcc (&acc)[G], float* y, int64_t out, int64_t first
     for (int j = 0; j < TILE && first + j < out; ++j) y[g * out + first + j] = simd::q_reduce(acc[g], j);
 }
 
-// G rows of quantized activations against one Q4_0, Q4_1 or Q8_0 tile, block by block: the four
-// rows' codes are decoded once for the G rows, one accumulator per activation row (its lanes two
-// per tile row) summed over the blocks in order, so each output is formed the same way whatever G is.
-template <Ggml T, int G>
-void ggml_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* y, int64_t in, int64_t out,
-                    int64_t first) {
-  using simd::QCodesKind;
-  constexpr bool MIN = T == Ggml::Q4_1;
-  constexpr int64_t CODES = q_code_bytes(T), BYTES = q_tile_bytes(T);
+// G rows of quantized activations against one Q8_0 tile, block by block: the four rows' codes are
+// decoded once for the G rows, one accumulator per activation row (its lanes two per tile row) summed
+// over the blocks in order, so each output is formed the same way whatever G is.
+template <int G>
+void q8_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* y, int64_t in, int64_t out,
+                  int64_t first) {
+  constexpr int64_t CODES = q_code_bytes(Ggml::Q8_0), BYTES = q_tile_bytes(Ggml::Q8_0);
   const int64_t blocks = in / Q_BLOCK;
   simd::QAcc acc[G];
   for (int g = 0; g < G; ++g) acc[g] = simd::q_zero();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* wc = tile + b * BYTES;
     prefetch_ahead<BYTES>(wc);
-    alignas(32) float dm[2 * TILE];
-    simd::q_scales(wc + TILE * CODES, dm, MIN ? 2 * TILE : TILE);
-    const simd::QScale d = simd::q_rows(dm), offset = simd::q_first(MIN ? dm + TILE : dm);
-    const simd::QBlock w = T == Ggml::Q8_0 ? simd::q8_block(wc) : simd::q4_block(wc);
+    alignas(32) float dm[TILE];
+    simd::q_scales(wc + TILE * CODES, dm, TILE);
+    const simd::QScale d = simd::q_rows(dm);
+    const simd::QBlock w = simd::q8_block(wc);
     for (int g = 0; g < G; ++g) {
       const int64_t xb = (m0 + g) * blocks + b;
-      const int8_t* xq = x.q.data() + xb * Q_BLOCK;
-      if constexpr (T == Ggml::Q8_0) {
-        acc[g] = simd::q_madd<QCodesKind::Q8, 0, 4>(acc[g], w, simd::q_times(d, x.scales[xb]), xq);
-      } else {
-        acc[g] = simd::q_madd<QCodesKind::Q4, 0, 4>(acc[g], w, simd::q_times(d, x.scales[xb]), xq);
-        acc[g] = simd::q_add_scaled(acc[g], offset, MIN ? x.sum32[xb] : -8.f * x.sum32[xb]);
-      }
+      acc[g] = simd::q_madd<simd::QCodesKind::Q8, 0, 4>(acc[g], w, simd::q_times(d, x.scales[xb]),
+                                                         x.q.data() + xb * Q_BLOCK);
     }
   }
   store_tile(acc, y, out, first);
+}
+
+// G rows of quantized activations against one 8-row Q4_0 or Q4_1 tile, block by block: the eight
+// rows' codes and scales are decoded once for the G rows, one accumulator per activation row (a lane
+// per tile row) summed over the blocks in order, so each output is formed the same way whatever G is.
+// A block adds d times its exact integer sum, then its offset (Q4_0: -8 d; Q4_1: m) times the
+// activations' block sum.
+template <Ggml T, int G>
+void q4_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* y, int64_t in, int64_t out,
+                  int64_t first) {
+  static_assert(q_tile_rows(T) == 8);
+  constexpr bool MIN = T == Ggml::Q4_1;
+  constexpr int64_t ROWS = q_tile_rows(T), CODES = ROWS * q_code_bytes(T), BYTES = q_tile_bytes(T);
+  const int64_t blocks = in / Q_BLOCK;
+  simd::QAcc acc[G];
+  for (int g = 0; g < G; ++g) acc[g] = simd::q_zero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* wc = tile + b * BYTES;
+    prefetch_ahead<BYTES>(wc);
+    const simd::QScale d = simd::q_half8(wc + CODES);
+    const simd::QScale offset = MIN ? simd::q_half8(wc + CODES + 2 * ROWS) : d;
+    const simd::Q4Wide w = simd::q4_wide_block(wc);
+    for (int g = 0; g < G; ++g) {
+      const int64_t xb = (m0 + g) * blocks + b;
+      acc[g] = simd::q4_wide_madd(acc[g], w, simd::q_times(d, x.scales[xb]), x.q.data() + xb * Q_BLOCK);
+      acc[g] = simd::q_add_scaled(acc[g], offset, MIN ? x.sum32[xb] : -8.f * x.sum32[xb]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < ROWS && first + j < out; ++j) y[g * out + first + j] = simd::q_lane(acc[g], j);
 }
 
 // A Q4_K row's 8 sub-block scales and minima from its 12 bytes of 6-bit values (ggml's
@@ -487,16 +515,19 @@ void k_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* y
 template <Ggml T, int G>
 void tile_rows_of(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* y, int64_t in, int64_t out,
                   int64_t first) {
-  if constexpr (T == Ggml::Q4_K || T == Ggml::Q6_K) {
+  if constexpr (k_quant(T)) {
     k_tile_rows<T, G>(tile, x, m0, y, in, out, first);
+  } else if constexpr (T == Ggml::Q8_0) {
+    q8_tile_rows<G>(tile, x, m0, y, in, out, first);
   } else {
-    ggml_tile_rows<T, G>(tile, x, m0, y, in, out, first);
+    q4_tile_rows<T, G>(tile, x, m0, y, in, out, first);
   }
 }
 
 template <Ggml T>
 void matmul_ggml_as(const float* x, const Packed& w, const float* bias, float* y, int64_t M, QuantizedQ8& xq) {
-  const int64_t in = w.in(), out = w.out, tiles = (out + TILE - 1) / TILE;
+  constexpr int64_t ROWS = q_tile_rows(T);
+  const int64_t in = w.in(), out = w.out, tiles = (out + ROWS - 1) / ROWS;
   const int64_t bytes = (in / q_block_weights(T)) * q_tile_bytes(T);
   prepare_q8_blocks(x, M, in, xq);
   const uint8_t* base = w.tiles.data_ptr<uint8_t>();
@@ -505,13 +536,13 @@ void matmul_ggml_as(const float* x, const Packed& w, const float* bias, float* y
       for (int64_t m = 0; m < M; m += simd::QROWS) {
         float* ym = y + m * out;
         with_rows<simd::QROWS>(M - m, [&](auto g) {
-          tile_rows_of<T, decltype(g)::value>(base + t * bytes, xq, m, ym, in, out, t * TILE);
+          tile_rows_of<T, decltype(g)::value>(base + t * bytes, xq, m, ym, in, out, t * ROWS);
         });
       }
     }
     if (bias != nullptr)
       for (int64_t m = 0; m < M; ++m)
-        for (int64_t o = t0 * TILE; o < std::min(out, t1 * TILE); ++o) y[m * out + o] += bias[o];
+        for (int64_t o = t0 * ROWS; o < std::min(out, t1 * ROWS); ++o) y[m * out + o] += bias[o];
   });
 }
 
@@ -545,17 +576,19 @@ Packed pack_ggml_matrix(const at::Tensor& raw, int64_t type) {
               "raw: expected contiguous uint8 [out, in / ", q_block_weights(t), " x ", block, "], whole blocks of ",
               block, " bytes");
   const int64_t blocks = raw.size(1) / block;
-  const int64_t out = raw.size(0), tiles = (out + TILE - 1) / TILE;
-  auto padded = at::zeros({tiles * TILE, blocks, block}, raw.options());  // rows past `out`: scale 0
+  // Rows per tile, and the run of each row's code bytes one 32-byte load holds (simd_ggml_x86.h).
+  const int64_t rows = q_tile_rows(t), run = 32 / rows;
+  const int64_t out = raw.size(0), tiles = (out + rows - 1) / rows;
+  auto padded = at::zeros({tiles * rows, blocks, block}, raw.options());  // rows past `out`: scale 0
   padded.narrow(0, 0, out).copy_(raw.view({out, blocks, block}));
-  auto by_tile = padded.view({tiles, TILE, blocks, block}).transpose(1, 2);  // [tiles, blocks, 4, block]
+  auto by_tile = padded.view({tiles, rows, blocks, block}).transpose(1, 2);  // [tiles, blocks, rows, block]
   const bool last = t == Ggml::Q6_K;  // codes, sub-block scales, then d; else d (m, dmin) first
   auto c = by_tile.narrow(3, last ? 0 : scales + sub, codes)
-               .reshape({tiles, blocks, TILE, codes / 8, 8}).transpose(2, 3)
-               .reshape({tiles, blocks, TILE * codes});  // each row's bytes 8 i .. 8 i + 7, row after row
-  auto k = by_tile.narrow(3, last ? codes : scales, sub).reshape({tiles, blocks, TILE * sub});
-  auto s = by_tile.narrow(3, last ? codes + sub : 0, scales).reshape({tiles, blocks, TILE, scales / 2, 2}).transpose(2, 3)
-               .reshape({tiles, blocks, TILE * scales});  // [d0 d1 d2 d3 (m0 m1 m2 m3)]
+               .reshape({tiles, blocks, rows, codes / run, run}).transpose(2, 3)
+               .reshape({tiles, blocks, rows * codes});  // each row's bytes run i .. run (i + 1) - 1, row after row
+  auto k = by_tile.narrow(3, last ? codes : scales, sub).reshape({tiles, blocks, rows * sub});
+  auto s = by_tile.narrow(3, last ? codes + sub : 0, scales).reshape({tiles, blocks, rows, scales / 2, 2}).transpose(2, 3)
+               .reshape({tiles, blocks, rows * scales});  // [d0 .. d(rows - 1) (m0 .. m(rows - 1))]
   return {at::cat({c, k, s}, 2).contiguous(), out, 0.f, t};
 }
 
@@ -746,7 +779,8 @@ namespace {
 
 void check_ggml_tiles(const at::Tensor& tiles, int64_t out, Ggml t) {
   TORCH_CHECK(tiles.scalar_type() == at::kByte && tiles.dim() == 3 && tiles.size(2) == q_tile_bytes(t) &&
-                  tiles.is_contiguous() && tiles.size(0) == (out + TILE - 1) / TILE && tiles.size(1) > 0 && out > 0,
+                  tiles.is_contiguous() && tiles.size(0) == (out + q_tile_rows(t) - 1) / q_tile_rows(t) &&
+                  tiles.size(1) > 0 && out > 0,
               "tiles: expected the output of pack_ggml() for a weight of this type with `out` rows");
 }
 
@@ -759,7 +793,7 @@ namespace {
 // for Q4_1 and Q4_K (Q4_K: d = d sc and m = -(dmin mn); Q6_K: d sc of each 16; as the kernel reads them).
 template <typename F>
 void each_block(const uint8_t* wc, Ggml t, int64_t rows, F f) {
-  alignas(64) int8_t q[TILE][Q_BLOCK];
+  alignas(64) int8_t q[2 * TILE][Q_BLOCK];
   if (k_quant(t)) {
     KScales k;
     t == Ggml::Q4_K ? k_scales<Ggml::Q4_K>(wc, k) : k_scales<Ggml::Q6_K>(wc, k);
@@ -772,12 +806,18 @@ void each_block(const uint8_t* wc, Ggml t, int64_t rows, F f) {
     }
     return;
   }
-  alignas(32) float dm[2 * TILE] = {};
-  simd::q_scales(wc + TILE * q_code_bytes(t), dm, t == Ggml::Q4_1 ? 2 * TILE : TILE);
-  simd::q_store(&q[0][0], t == Ggml::Q8_0 ? simd::q8_block(wc) : simd::q4_block(wc));
+  const int64_t n = q_tile_rows(t);
+  alignas(32) float dm[4 * TILE] = {};
+  simd::q_scales(wc + n * q_code_bytes(t), dm, n);
+  if (t == Ggml::Q4_1) simd::q_scales(wc + n * q_code_bytes(t) + 2 * n, dm + n, n);  // the rows' m
+  if (t == Ggml::Q8_0) {
+    simd::q_store(&q[0][0], simd::q8_block(wc));
+  } else {
+    simd::q4_wide_store(&q[0][0], simd::q4_wide_block(wc));
+  }
   for (int64_t j = 0; j < rows; ++j) {
     const float both[2] = {dm[j], dm[j]};
-    f(j, 0, q[j], both, t == Ggml::Q4_1 ? dm[TILE + j] : 0.f);
+    f(j, 0, q[j], both, t == Ggml::Q4_1 ? dm[n + j] : 0.f);
   }
 }
 
@@ -806,12 +846,13 @@ template <typename T>
 void dequantize_tiles(const at::Tensor& tiles, int64_t out, Ggml t, T* w) {
   const int64_t chunks = tiles.size(1), bytes = q_tile_bytes(t), per = q_block_weights(t), in = chunks * per;
   const uint8_t* base = tiles.data_ptr<uint8_t>();
+  const int64_t rows = q_tile_rows(t);
   at::parallel_for(0, tiles.size(0), 8, [&](int64_t t0, int64_t t1) {
     for (int64_t tile = t0; tile < t1; ++tile)
       for (int64_t c = 0; c < chunks; ++c)
-        each_block(base + (tile * chunks + c) * bytes, t, std::min(TILE, out - tile * TILE),
+        each_block(base + (tile * chunks + c) * bytes, t, std::min(rows, out - tile * rows),
                    [&](int64_t j, int s, const int8_t* q, const float* d, float m) {
-                     dequantize_block(q, d, m, t, w + (tile * TILE + j) * in + c * per + s * Q_BLOCK);
+                     dequantize_block(q, d, m, t, w + (tile * rows + j) * in + c * per + s * Q_BLOCK);
                    });
   });
 }
@@ -830,11 +871,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> unpack_ggml(const at::Tensor& til
   auto d = at::zeros({out, in / 16}, tiles.options().dtype(at::kFloat));
   auto m = at::zeros({out, in / 16}, tiles.options().dtype(at::kFloat));
   const uint8_t* base = tiles.data_ptr<uint8_t>();
+  const int64_t rows = q_tile_rows(t);
   for (int64_t tile = 0; tile < tiles.size(0); ++tile)
     for (int64_t c = 0; c < chunks; ++c)
-      each_block(base + (tile * chunks + c) * bytes, t, std::min(TILE, out - tile * TILE),
+      each_block(base + (tile * chunks + c) * bytes, t, std::min(rows, out - tile * rows),
                  [&](int64_t j, int s, const int8_t* codes, const float* dj, float mj) {
-                   const int64_t row = tile * TILE + j, block = c * (per / Q_BLOCK) + s;
+                   const int64_t row = tile * rows + j, block = c * (per / Q_BLOCK) + s;
                    std::memcpy(q.data_ptr<int8_t>() + row * in + block * Q_BLOCK, codes, Q_BLOCK);
                    for (int h = 0; h < 2; ++h) {
                      d.data_ptr<float>()[row * (in / 16) + 2 * block + h] = dj[h];
@@ -1007,15 +1049,16 @@ class Decoder {
                at::Tensor v_cache) {
     const auto [slot, pos] = places(x, slots, positions, k_cache, v_cache);
     const int64_t M = x.size(0), S = k_cache.size(1), T = k_cache.size(3);
-    const int64_t kv_size = hkv_ * d_, q_tiles = hq_ * d_ / TILE;
-    TORCH_CHECK(hq_ * d_ % TILE == 0, "q rows: expected a multiple of the tile height");
+    const int64_t kv_size = hkv_ * d_;
     const auto xf = x.to(at::kFloat).contiguous();
     std::vector<float> kv(M * 2 * kv_size);
     Rounded rounded;
     pybind11::gil_scoped_release nogil;
     for (int64_t li = 0; li < (int64_t)layers_.size(); ++li) {
       const Layer& l = layers_[li];
-      // The key and value rows of the packed [q | k | v] matrix: whole tiles, since q_size % 4 == 0.
+      // The key and value rows of the packed [q | k | v] matrix: whole tiles, where the q rows fill whole tiles.
+      TORCH_CHECK(hq_ * d_ % l.qkv.tile_rows() == 0, "q rows: expected a multiple of the tile height");
+      const int64_t q_tiles = hq_ * d_ / l.qkv.tile_rows();
       const Packed w{l.qkv.tiles.narrow(0, q_tiles, l.qkv.tiles.size(0) - q_tiles), 2 * kv_size, l.qkv.tensor_scale,
                      l.qkv.ggml};
       matmul(f32(xf), w, l.qkv_bias.defined() ? f32(l.qkv_bias) + hq_ * d_ : nullptr, kv.data(), M, rounded);

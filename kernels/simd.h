@@ -34,13 +34,14 @@
 //                            activation sum: lane 4 r + l adds the exact integer sum over row r's block l
 //                            (offset removed) times its scale times xs[l]
 //   fp4_zero, fp4_pair_reduce(acc, r)  an empty accumulator; row r's four lanes added by a fixed tree
-//   QBlock                   a GGUF tile's 4 rows' codes of one 32-weight block (K-quants: sub-block),
+//   QBlock                   a 4-row GGUF tile's codes of one 32-weight block (Q8_0; K-quants: sub-block),
 //                            decoded from the tile's interleaved bytes (cpu_decode.cpp, "GGUF block rows")
-//   q4_block(qs), q8_block(qs)  a tile block's 64 nibble bytes (Q4_0, Q4_1) or 128 int8 (Q8_0) -> QBlock
+//   q8_block(qs)             a Q8_0 tile block's 128 int8 -> QBlock
 //   q4k_block(qs, high)      Q4_K: the low or high nibbles of the tile's 128 bytes at qs (32 per row)
 //   q6k_block(codes, s)      Q6_K: sub-block s of a tile's 768 code bytes -> codes 0 .. 63
 //   q_store(out, w)          row r's 32 codes to out[32 r ..] in element order (for tests)
-//   QAcc, QScale             8 fp32 lanes, two per tile row (lanes 2r, 2r + 1)
+//   QAcc, QScale             8 fp32 lanes: two per row of a 4-row tile (lanes 2r, 2r + 1), one per row of
+//                            an 8-row tile
 //   q_scales(h, out, n)      n (4 or 8) fp16 scales -> fp32, exactly
 //   q_rows(s), q_first(s)    QScale of 4 rows' numbers s[r] in both lanes of row r; in the first only
 //   q_times(s, k)            s k in every lane
@@ -51,6 +52,12 @@
 //                            Q6: 0 .. 63, Q8: signed); offsets and minima are the caller's
 //   q_add_scaled(acc, c, k)  acc + c k, per lane: a block's offset or minimum times the activations' sum
 //   q_zero, q_reduce(acc, r) an empty accumulator; row r's two lanes added
+//   Q4Wide                   an 8-row Q4_0 or Q4_1 tile's codes of one block (0 .. 15), from its 128
+//                            interleaved bytes by q4_wide_block(qs); q4_wide_store(out, w) as q_store
+//   q_half8(h)               a QScale whose lane r is 8 rows' fp16 number h[r] (d or m), exactly
+//   q4_wide_madd(acc, w, scale, xq)  acc + per row r, in lane r, the exact integer sum of the block's 32
+//                            products with int8 activations xq [32] times lane r of `scale`
+//   q_lane(acc, r)           lane r: row r's total of an 8-row tile
 //   q_quantize_block(x, q, half_sums)  32 fp32 activations -> int8 codes round(x (127 / amax)), ties
 //                            to even; the codes' sums over each 16 in half_sums; returns amax / 127
 //   fp4_quantize_block(x, chunk, l, sum)  the same for 16 activations, block l of a chunk: codes to

@@ -115,9 +115,9 @@ inline float fp4_pair_reduce(Fp4Acc x, int r) {
   return (v[0] + v[1]) + (v[2] + v[3]);
 }
 
-// GGUF blocks as on x86 (simd_ggml_x86.h): a tile's four rows at once, per row two lanes of exact
-// integer sums (elements 0-3 and 4-7 of each eight), each scaled by the row's number and added in
-// the same order.
+// GGUF blocks as on x86 (simd_ggml_x86.h): a 4-row tile (Q8_0, K-quants) per row in two lanes of
+// exact integer sums (elements 0-3 and 4-7 of each eight), an 8-row tile (Q4_0, Q4_1) per row in one
+// lane of its block's exact sum, each scaled by the row's number and added in the same order.
 struct QBlock {
   int8_t q[4][32];  // [tile row][element]: Q4_*: 0 .. 15; Q6_K: 0 .. 63; Q8_0: as stored
 };
@@ -191,16 +191,6 @@ inline float fp4_quantize_block(const float* x, int8_t* chunk, int l, int32_t* s
 // Row r's byte b of a tile whose four rows' bytes are interleaved eight at a time (pack_ggml).
 inline uint8_t q_byte(const uint8_t* tile, int r, int b) { return tile[b / 8 * 32 + 8 * r + b % 8]; }
 
-inline QBlock q4_block(const uint8_t* qs) {
-  QBlock w;
-  for (int r = 0; r < 4; ++r)
-    for (int i = 0; i < 16; ++i) {
-      w.q[r][i] = static_cast<int8_t>(q_byte(qs, r, i) & 0xF);
-      w.q[r][i + 16] = static_cast<int8_t>(q_byte(qs, r, i) >> 4);
-    }
-  return w;
-}
-
 inline QBlock q8_block(const uint8_t* qs) {
   QBlock w;
   for (int r = 0; r < 4; ++r)
@@ -226,6 +216,41 @@ inline QBlock q6k_block(const uint8_t* codes, int s) {
 }
 
 inline void q_store(int8_t* out, const QBlock& w) { std::memcpy(out, w.q, sizeof(w.q)); }
+
+struct Q4Wide {
+  int8_t q[8][32];  // [tile row][element], 0 .. 15
+};
+
+// Row r's byte b of an 8-row Q4 tile, whose rows' bytes are interleaved four at a time (pack_ggml).
+inline Q4Wide q4_wide_block(const uint8_t* qs) {
+  Q4Wide w;
+  for (int r = 0; r < 8; ++r)
+    for (int b = 0; b < 16; ++b) {
+      const uint8_t byte = qs[b / 4 * 32 + 4 * r + b % 4];
+      w.q[r][b] = static_cast<int8_t>(byte & 0xF);
+      w.q[r][b + 16] = static_cast<int8_t>(byte >> 4);
+    }
+  return w;
+}
+
+inline void q4_wide_store(int8_t* out, const Q4Wide& w) { std::memcpy(out, w.q, sizeof(w.q)); }
+
+inline QScale q_half8(const uint8_t* half) {
+  QScale r;
+  q_scales(half, r.v, 8);
+  return r;
+}
+
+inline QAcc q4_wide_madd(QAcc acc, const Q4Wide& w, QScale scale, const int8_t* xq) {
+  for (int r = 0; r < 8; ++r) {
+    int32_t s = 0;
+    for (int i = 0; i < 32; ++i) s += static_cast<int32_t>(w.q[r][i]) * xq[i];
+    acc.v[r] += static_cast<float>(s) * scale.v[r];
+  }
+  return acc;
+}
+
+inline float q_lane(QAcc acc, int r) { return acc.v[r]; }
 
 enum class QCodesKind { Q4, Q6, Q8 };
 

@@ -134,12 +134,12 @@ def extreme_blocks(qtype: GGMLQuantizationType, out: int, n_in: int) -> tuple[np
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_extreme_codes_stay_exact(kernel: ModuleType, qtype: GGMLQuantizationType, sign: float) -> None:
     """The largest codes against activations of +-127 are the largest products the kernel sums in int16
-    (Q8_0's pairs, four parts of Q4, two of Q6_K): the sums stay exact, for 1 and 4 rows."""
+    (Q8_0's pairs, a block's eight parts of Q4_1, two of Q6_K): the sums stay exact, for 1, 4 and 8 rows."""
     out, n_in = 8, 512
     raw, weight = extreme_blocks(qtype, out, n_in)
     tiles = kernel.pack_ggml(torch.from_numpy(np.ascontiguousarray(raw)), int(qtype))
-    x = torch.full((4, n_in), 3.0 * sign)
-    for rows in (1, 4):
+    x = torch.full((8, n_in), 3.0 * sign)
+    for rows in (1, 4, 8):
         got = kernel.linear_ggml(x[:rows], tiles, out, int(qtype))
         torch.testing.assert_close(got, torch.full((rows, out), weight * 3.0 * sign * n_in), rtol=1e-6, atol=0)
 
