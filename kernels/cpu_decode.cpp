@@ -360,60 +360,50 @@ void store_tile(const simd::QAcc (&acc)[G], float* y, int64_t out, int64_t first
     for (int j = 0; j < TILE && first + j < out; ++j) y[g * out + first + j] = simd::q_reduce(acc[g], j);
 }
 
-// G rows of quantized activations against one Q8_0 tile, block by block: the four rows' codes are
-// decoded once for the G rows, one accumulator per activation row (its lanes two per tile row) summed
-// over the blocks in order, so each output is formed the same way whatever G is.
-template <int G>
-void q8_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* y, int64_t in, int64_t out,
-                  int64_t first) {
-  constexpr int64_t CODES = q_code_bytes(Ggml::Q8_0), BYTES = q_tile_bytes(Ggml::Q8_0);
-  const int64_t blocks = in / Q_BLOCK;
-  simd::QAcc acc[G];
-  for (int g = 0; g < G; ++g) acc[g] = simd::q_zero();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* wc = tile + b * BYTES;
-    prefetch_ahead<BYTES>(wc);
-    alignas(32) float dm[TILE];
-    simd::q_scales(wc + TILE * CODES, dm, TILE);
-    const simd::QScale d = simd::q_rows(dm);
-    const simd::QBlock w = simd::q8_block(wc);
-    for (int g = 0; g < G; ++g) {
-      const int64_t xb = (m0 + g) * blocks + b;
-      acc[g] = simd::q_madd<simd::QCodesKind::Q8, 0, 4>(acc[g], w, simd::q_times(d, x.scales[xb]),
-                                                         x.q.data() + xb * Q_BLOCK);
-    }
-  }
-  store_tile(acc, y, out, first);
-}
-
-// G rows of quantized activations against one 8-row Q4_0 or Q4_1 tile, block by block: the eight
-// rows' codes and scales are decoded once for the G rows, one accumulator per activation row (a lane
-// per tile row) summed over the blocks in order, so each output is formed the same way whatever G is.
-// A block adds d times its exact integer sum, then its offset (Q4_0: -8 d; Q4_1: m) times the
-// activations' block sum.
+// G rows of quantized activations against one Q4_0, Q4_1 (8-row) or Q8_0 (4-row) tile, block by block:
+// the rows' codes and scales are decoded once for the G rows, one accumulator per activation row (a
+// lane per tile row, or two: simd.h) summed over the blocks in order, so each output is formed the
+// same way whatever G is. A Q4 block adds d times its exact integer sum, then its offset (Q4_0: -8 d;
+// Q4_1: m) times the activations' block sum.
 template <Ggml T, int G>
-void q4_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* y, int64_t in, int64_t out,
-                  int64_t first) {
-  static_assert(q_tile_rows(T) == 8);
-  constexpr bool MIN = T == Ggml::Q4_1;
+void ggml_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* y, int64_t in, int64_t out,
+                    int64_t first) {
+  constexpr bool Q8 = T == Ggml::Q8_0, MIN = T == Ggml::Q4_1;
   constexpr int64_t ROWS = q_tile_rows(T), CODES = ROWS * q_code_bytes(T), BYTES = q_tile_bytes(T);
+  static_assert(ROWS == (Q8 ? TILE : 2 * TILE));
   const int64_t blocks = in / Q_BLOCK;
   simd::QAcc acc[G];
   for (int g = 0; g < G; ++g) acc[g] = simd::q_zero();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* wc = tile + b * BYTES;
     prefetch_ahead<BYTES>(wc);
-    const simd::QScale d = simd::q_half8(wc + CODES);
-    const simd::QScale offset = MIN ? simd::q_half8(wc + CODES + 2 * ROWS) : d;
-    const simd::Q4Wide w = simd::q4_wide_block(wc);
-    for (int g = 0; g < G; ++g) {
-      const int64_t xb = (m0 + g) * blocks + b;
-      acc[g] = simd::q4_wide_madd(acc[g], w, simd::q_times(d, x.scales[xb]), x.q.data() + xb * Q_BLOCK);
-      acc[g] = simd::q_add_scaled(acc[g], offset, MIN ? x.sum32[xb] : -8.f * x.sum32[xb]);
+    if constexpr (Q8) {
+      alignas(32) float dm[TILE];
+      simd::q_scales(wc + CODES, dm, TILE);
+      const simd::QScale d = simd::q_rows(dm);
+      const simd::QBlock w = simd::q8_block(wc);
+      for (int g = 0; g < G; ++g) {
+        const int64_t xb = (m0 + g) * blocks + b;
+        acc[g] = simd::q_madd<simd::QCodesKind::Q8, 0, 4>(acc[g], w, simd::q_times(d, x.scales[xb]),
+                                                           x.q.data() + xb * Q_BLOCK);
+      }
+    } else {
+      const simd::QScale d = simd::q_half8(wc + CODES);
+      const simd::QScale offset = MIN ? simd::q_half8(wc + CODES + 2 * ROWS) : d;
+      const simd::Q4Wide w = simd::q4_wide_block(wc);
+      for (int g = 0; g < G; ++g) {
+        const int64_t xb = (m0 + g) * blocks + b;
+        acc[g] = simd::q4_wide_madd(acc[g], w, simd::q_times(d, x.scales[xb]), x.q.data() + xb * Q_BLOCK);
+        acc[g] = simd::q_add_scaled(acc[g], offset, MIN ? x.sum32[xb] : -8.f * x.sum32[xb]);
+      }
     }
   }
-  for (int g = 0; g < G; ++g)
-    for (int j = 0; j < ROWS && first + j < out; ++j) y[g * out + first + j] = simd::q_lane(acc[g], j);
+  if constexpr (Q8) {
+    store_tile(acc, y, out, first);
+  } else {
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < ROWS && first + j < out; ++j) y[g * out + first + j] = simd::q_lane(acc[g], j);
+  }
 }
 
 // A Q4_K row's 8 sub-block scales and minima from its 12 bytes of 6-bit values (ggml's
@@ -517,10 +507,8 @@ void tile_rows_of(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float* 
                   int64_t first) {
   if constexpr (k_quant(T)) {
     k_tile_rows<T, G>(tile, x, m0, y, in, out, first);
-  } else if constexpr (T == Ggml::Q8_0) {
-    q8_tile_rows<G>(tile, x, m0, y, in, out, first);
   } else {
-    q4_tile_rows<T, G>(tile, x, m0, y, in, out, first);
+    ggml_tile_rows<T, G>(tile, x, m0, y, in, out, first);
   }
 }
 
