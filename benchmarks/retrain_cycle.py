@@ -16,9 +16,12 @@ which holds out a share of the prompts by hash and never sends them
 - after the stack stops, per system (suffix alone, v1 + suffix, the retrained drafter + suffix), each
   with a fresh suffix cache warmed by the run's consented traces (what serving held when it swapped):
   - live: the first `--live-prompts` held-out prompts generated greedily by the engine at each
-    `--concurrency`, every engine pricing its verify passes by one measurement made for them all;
-    tokens/s = generated tokens / wall seconds (prefill included), against plain decoding in the same
-    run; τ from the engine's counters; whether the tokens equal plain decoding's;
+    `--concurrency`, every engine pricing its verify passes by one measurement made for them all,
+    plain decoding, every system and (at concurrency 1) llama.cpp interleaved by chunks of twice the
+    concurrency, the order rotating (`benchmarks/suffix_decoding.py`, `interleaved`); tokens/s =
+    generated tokens / wall seconds of the system's chunks (prefill included), against plain decoding
+    and llama.cpp in the same run; τ from the engine's counters; whether the tokens equal plain
+    decoding's;
     and the retrained drafter + suffix once more with DFlash writing its context at every step (as
     before it held observed rows until it drafts), to show what holding them saves;
   - replayed: the target's greedy answers to every held-out prompt replayed 8 at a time in order
@@ -33,8 +36,9 @@ which holds out a share of the prompts by hash and never sends them
   drafter (bootstrapped from the shipped one's model, `daemon/retrain/bootstrap.py`), the cycle measured
   is its second, on the demo traffic, and `v1` is the bootstrapped drafter; `--weights nvfp4` measures
   it. Where `llama_cpp` is installed, llama.cpp on the GGUF's own weights
-  generating the same live prompts greedily at batch 1, the column every live row is also set
-  against (issue 37's comparison), and again with its own speculative mode (prompt lookup);
+  generating the same live prompts greedily at batch 1, interleaved with the systems, the column every
+  concurrency-1 row is set against (issue 37's comparison); and, in a run of its own before, llama.cpp
+  plain and with its own speculative mode (prompt lookup);
 - with `--other-recipe`, beside them a drafter trained afterwards on the run's own training traces,
   warm start, seed and budget with the demo policy's `training.skip_suffix_covered` flipped (anchoring
   blocks, or not, where suffix decoding drafts in the drafter's place), and its gain over suffix alone.
@@ -58,6 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
@@ -85,6 +90,7 @@ NVFP4_SERVED = {"SPECLOOP_WEIGHTS": "nvfp4", "SPECLOOP_NVFP4_LM_HEAD": "true"}
 # did before it held the rows until it drafts (`engine/speculation/dflash_proposer.py`)
 WRITING = "retrained + suffix, written every step"
 RECIPE = "retrained, other recipe + suffix"  # `--other-recipe`: skip_suffix_covered flipped
+PLAIN, LLAMA_CPP = "plain", "llama.cpp"
 # llama.cpp's prompt lookup, tokens drafted per step: its binding's default, and what its docs
 # suggest on a CPU-only machine.
 LOOKUP_DRAFTS = (10, 2)
@@ -151,7 +157,7 @@ def main() -> None:
                                         None if recipe is None else recipe[0])
                           for kind in args.weights}
     for measured in report["measured"].values():
-        measured["vs_llama_cpp_c1"] = _vs_llama_cpp(measured["live_systems"], report.get("llama_cpp_c1"))
+        measured["vs_llama_cpp_c1"] = _vs_llama_cpp(measured["live_systems"])
     png = data / "daemon" / "live_tau.png"
     if png.exists() and not earlier:
         shutil.copy(png, args.out.with_name(f"{args.out.stem}_live_tau.png"))
@@ -336,8 +342,7 @@ def systems(data: Path, run_id: str, heldout: list, version: str, live_prompts: 
     traces, on a target holding its weights as `weights` says (its own plain decoding the reference)."""
     import torch
 
-    from benchmarks.suffix_decoding import live as live_generation
-    from benchmarks.suffix_decoding import shared_verify_cost
+    from benchmarks.suffix_decoding import engine_system, interleaved, shared_verify_cost
     from specloop.daemon.evaluation.replay import NAMESPACE, replay
     from specloop.daemon.evaluation.speed_gain import paired_speed_gain
     from specloop.daemon.evaluation.step_cost import CostModel
@@ -396,17 +401,24 @@ def systems(data: Path, run_id: str, heldout: list, version: str, live_prompts: 
               flush=True)
     live = {}
     prompts = ids[:live_prompts]
+    llama = llama_cpp_system(prompts[0]) if 1 in concurrency else None
     for c in concurrency:
         price = shared_verify_cost(loaded, c)  # one calibration: the width rule then differs by proposer only
-        plain_s, _, plain_out = live_generation(loaded, None, prompts, c, MAX_TOKENS, price)
-        row = {"plain": {"tokens_per_s": round(plain_s, 1)}}
-        for name in (*names, WRITING):
-            # generate() serves tenant "": the proposer's cache holds the warm traces under that name
-            served = proposer(name, "")
-            tok_s, tau, outputs = live_generation(loaded, served, prompts, c, MAX_TOKENS, price)
-            row[name] = {"tokens_per_s": round(tok_s, 1), "speedup": round(tok_s / plain_s, 3),
-                         "tau": round(tau, 3) if tau else None, "lossless": outputs == plain_out,
-                         **_dflash_rows(served)}
+        # generate() serves tenant "": each proposer's cache holds the warm traces under that name
+        served = {name: proposer(name, "") for name in (*names, WRITING)}
+        runs = {PLAIN: engine_system(loaded, None, c, MAX_TOKENS, price),
+                **{name: engine_system(loaded, p, c, MAX_TOKENS, price) for name, p in served.items()},
+                **({LLAMA_CPP: llama} if c == 1 and llama is not None else {})}
+        totals = interleaved(runs, prompts, 2 * c)
+        plain = totals[PLAIN]
+        row = {name: {"tokens_per_s": round(totals[name].tokens_per_s, 1)} for name in (PLAIN, LLAMA_CPP)
+               if name in runs}
+        for name, p in served.items():
+            t = totals[name]
+            row[name] = {"tokens_per_s": round(t.tokens_per_s, 1),
+                         "speedup": round(t.tokens_per_s / plain.tokens_per_s, 3),
+                         "tau": round(t.tau, 3) if t.tau else None, "lossless": t.outputs == plain.outputs,
+                         **_dflash_rows(p)}
             print("live", weights.kind, f"c{c}", name, json.dumps(row[name]), flush=True)
         live[f"c{c}"] = row
     gains = {name: paired_speed_gain(replayed[SUFFIX].seconds, replayed[name].seconds).to_json()
@@ -456,9 +468,23 @@ def llama_cpp_live(prompts: list) -> dict:
     return out
 
 
-def _llama_cpp_answers(path: Path, ids: list[list[int]], eos: set[int], draft: object) -> tuple[float, list]:
-    """Wall seconds for llama.cpp's greedy answers to `ids`, one at a time (after one warm-up answer, as
-    the engine measures its pass before its timed run), and the answers."""
+def llama_cpp_system(warm: list[int]):
+    """llama.cpp plain on the GGUF's own weights as one of the live systems (`interleaved`, concurrency
+    1): its greedy answers one at a time, as `llama_cpp_live`'s, after one warm-up answer to `warm`.
+    None where llama_cpp is not installed."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    from specloop.engine.loaders.load import read_stored_model
+
+    path, stored = read_stored_model(None)
+    _, answer = _llama_cpp(path, set(stored.tokenizer.eos_token_ids), None)
+    answer(warm)
+    return lambda chunk: [(answer(prompt), 0, 0) for prompt in chunk]
+
+
+def _llama_cpp(path: Path, eos: set[int], draft: object) -> tuple[object, Callable[[list[int]], list[int]]]:
+    """A llama.cpp model on `path` (2 threads per core here, as the engine) and its greedy answer to one
+    prompt: at most `MAX_TOKENS`, ending at end-of-sequence."""
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(path), n_ctx=2048, n_threads=os.cpu_count(), verbose=False, draft_model=draft)
@@ -471,6 +497,13 @@ def _llama_cpp_answers(path: Path, ids: list[list[int]], eos: set[int], draft: o
                 break
         return tokens
 
+    return llm, answer
+
+
+def _llama_cpp_answers(path: Path, ids: list[list[int]], eos: set[int], draft: object) -> tuple[float, list]:
+    """Wall seconds for llama.cpp's greedy answers to `ids`, one at a time (after one warm-up answer, as
+    the engine measures its pass before its timed run), and the answers."""
+    llm, answer = _llama_cpp(path, eos, draft)
     answer(ids[0])
     started = time.perf_counter()
     answers = [answer(prompt) for prompt in ids]
@@ -489,11 +522,13 @@ def _dflash_rows(served: object) -> dict:
     return {"rows": served.rows_proposed, "dflash_asked": served.rows_asked, "dflash_drafted": served.rows_learned}
 
 
-def _vs_llama_cpp(live: dict, llama_cpp: dict | None) -> dict:
-    """Each live system's tokens/s at concurrency 1 over llama.cpp's."""
-    if not llama_cpp or "c1" not in live:
+def _vs_llama_cpp(live: dict) -> dict:
+    """Each live system's tokens/s at concurrency 1 over llama.cpp's, measured interleaved with them."""
+    row = live.get("c1", {})
+    if LLAMA_CPP not in row:
         return {}
-    return {name: round(row["tokens_per_s"] / llama_cpp["tokens_per_s"], 3) for name, row in live["c1"].items()}
+    return {name: round(r["tokens_per_s"] / row[LLAMA_CPP]["tokens_per_s"], 3) for name, r in row.items()
+            if name != LLAMA_CPP}
 
 
 def _loop_gain(replayed: dict, live: dict, system: str = RETRAINED) -> dict:

@@ -28,6 +28,8 @@ import json
 import resource
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -97,6 +99,63 @@ def live(loaded: LoadedModel, proposer: Proposer | None, prompts: list[list[int]
     drafts = sum(s.spec.drafts for s in seqs)
     tau = 1 + sum(s.spec.accepted_tokens for s in seqs) / drafts if drafts else None
     return sum(len(s.output_ids) for s in seqs) / seconds, tau, [s.output_ids for s in seqs]
+
+
+# A system answering a chunk of prompts greedily: per prompt, its output ids, drafts and accepted tokens.
+Generate = Callable[[list[list[int]]], list[tuple[list[int], int, int]]]
+
+
+@dataclass
+class Totals:
+    """What one system generated over its chunks of an `interleaved` run."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    drafts: int = 0
+    accepted: int = 0
+    outputs: list[list[int]] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def tau(self) -> float | None:
+        return 1 + self.accepted / self.drafts if self.drafts else None
+
+
+def answers(seqs: list) -> list[tuple[list[int], int, int]]:
+    """An engine's finished sequences as a `Generate` returns them."""
+    return [(s.output_ids, s.spec.drafts, s.spec.accepted_tokens) for s in seqs]
+
+
+def engine_system(loaded: LoadedModel, proposer: Proposer | None, concurrency: int, max_tokens: int,
+                  verify_cost: PassCost | None = None) -> Generate:
+    """One engine answering greedily; its proposer's state (suffix cache, calibration) lives across chunks."""
+    engine = LLMEngine(loaded.model, EngineConfig(num_slots=concurrency, max_len=2048),
+                       loaded.tokenizer.eos_token_ids, proposer, verify_cost=verify_cost)
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return lambda chunk: answers(engine.generate(chunk, greedy))
+
+
+def interleaved(systems: dict[str, Generate], prompts: list[list[int]], chunk: int) -> dict[str, Totals]:
+    """Every system answering the same prompts `chunk` at a time, each chunk on every system in turn,
+    the order rotating by chunk, so that the VM's neighbours (which moved one system by 10-30% between
+    runs made in turn on the Zen 3) weigh on every system alike: tokens/s = generated tokens over the
+    wall seconds of the system's own chunks, prefill included."""
+    names = list(systems)
+    totals = {name: Totals() for name in names}
+    for i in range(0, len(prompts), chunk):
+        turn = i // chunk % len(names)
+        for name in names[turn:] + names[:turn]:
+            started = time.perf_counter()
+            out = systems[name](prompts[i:i + chunk])
+            t = totals[name]
+            t.seconds += time.perf_counter() - started
+            for ids, drafts, accepted in out:
+                t.tokens, t.drafts, t.accepted = t.tokens + len(ids), t.drafts + drafts, t.accepted + accepted
+                t.outputs.append(ids)
+    return totals
 
 
 def shared_verify_cost(loaded: LoadedModel, concurrency: int) -> PassCost:

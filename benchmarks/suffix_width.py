@@ -33,7 +33,6 @@ asserts nothing; about 10 minutes on a 2-core Zen 3. Run: `.venv/bin/python benc
 import argparse
 import json
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -41,7 +40,7 @@ import torch
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # `benchmarks`; last, so no folder shadows a package
 from benchmarks.machine import describe  # noqa: E402
-from benchmarks.suffix_decoding import shared_verify_cost  # noqa: E402
+from benchmarks.suffix_decoding import Generate, answers, interleaved, shared_verify_cost  # noqa: E402
 from specloop.daemon.shipped_drafters import shipped_drafters  # noqa: E402
 from specloop.daemon.traffic.sender import traffic_split  # noqa: E402
 from specloop.daemon.training.prompts import prompt_set  # noqa: E402
@@ -116,26 +115,19 @@ def measure(loaded, prompts: list[list[int]], earlier: list[list[int]], concurre
     engines = {s: LLMEngine(loaded.model, config, eos, proposer(s, loaded, earlier, config.max_block_size),
                             verify_cost=price) for s in systems}
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0)
-    totals = {s: {"tokens": 0, "seconds": 0.0, "outputs": [], "drafts": 0, "accepted": 0} for s in systems}
-    chunk = 2 * concurrency
-    for i in range(0, len(prompts), chunk):
-        turn = i // chunk
-        for s in systems[turn % len(systems):] + systems[:turn % len(systems)]:
+
+    def system(s: str) -> Generate:
+        def generate(chunk: list[list[int]]) -> list[tuple[list[int], int, int]]:
             with proposing_every_step(s in SKIPPING):
-                started = time.perf_counter()
-                out = engines[s].generate(prompts[i:i + chunk], greedy)
-                totals[s]["seconds"] += time.perf_counter() - started
-            totals[s]["tokens"] += sum(len(q.output_ids) for q in out)
-            totals[s]["outputs"] += [q.output_ids for q in out]
-            totals[s]["drafts"] += sum(q.spec.drafts for q in out)
-            totals[s]["accepted"] += sum(q.spec.accepted_tokens for q in out)
+                return answers(engines[s].generate(chunk, greedy))
+        return generate
+
+    totals = interleaved({s: system(s) for s in systems}, prompts, 2 * concurrency)
     plain = totals["plain"]
     row = {}
     for s, t in totals.items():
-        tok_s = t["tokens"] / t["seconds"]
-        row[s] = {"tokens_per_s": round(tok_s, 1), "vs_plain": round(tok_s / (plain["tokens"] / plain["seconds"]), 3),
-                  "tau": round(1 + t["accepted"] / t["drafts"], 3) if t["drafts"] else None,
-                  "lossless": t["outputs"] == plain["outputs"],
+        row[s] = {"tokens_per_s": round(t.tokens_per_s, 1), "vs_plain": round(t.tokens_per_s / plain.tokens_per_s, 3),
+                  "tau": round(t.tau, 3) if t.tau else None, "lossless": t.outputs == plain.outputs,
                   "step_outside_pass_ms": round(engines[s]._step_s * 1e3, 2)}  # the width rule's, at the end
         print(f"c{concurrency}", s, json.dumps(row[s]), flush=True)
     return row
