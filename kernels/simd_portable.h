@@ -119,7 +119,7 @@ inline float fp4_pair_reduce(Fp4Acc x, int r) {
 // exact integer sums (elements 0-3 and 4-7 of each eight), an 8-row tile (Q4_0, Q4_1) per row in one
 // lane of its block's exact sum, each scaled by the row's number and added in the same order.
 struct QBlock {
-  int8_t q[4][32];  // [tile row][element]: Q4_*: 0 .. 15; Q6_K: 0 .. 63; Q8_0: as stored
+  int8_t q[4][32];  // [tile row][element]: Q4_K: 0 .. 15; Q6_K: 0 .. 63; Q8_0: as stored
 };
 struct QAcc {
   float v[8];  // lanes 2r, 2r + 1: tile row r's
