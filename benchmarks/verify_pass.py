@@ -74,7 +74,8 @@ def baseline_kernel(rev: str, workdir: Path) -> types.SimpleNamespace:
     source = workdir / "baseline_cpu_decode.cpp"
     source.write_text(re.sub(r"\bDecoder\b", "BaselineDecoder", git("show", f"{rev}:kernels/{KERNEL.name}")))
     module = compile_module("baseline_cpu_decode", source, cpu_plan().isa, workdir)
-    return types.SimpleNamespace(Decoder=module.BaselineDecoder, pack_ggml=module.pack_ggml, isa=cpu_plan().isa)
+    return types.SimpleNamespace(Decoder=module.BaselineDecoder, pack_ggml=getattr(module, "pack_ggml", None),
+                                 isa=cpu_plan().isa)
 
 
 def baseline_target(model: torch.nn.Module, gguf: Path, weights: str, kernel: types.SimpleNamespace) -> torch.nn.Module:
@@ -136,7 +137,9 @@ def main() -> None:
         "weights": args.weights,
         "machine": describe(),
         "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]},
-        "baseline_rev": args.baseline_rev,
+        "baseline_rev": args.baseline_rev and subprocess.run(
+            ["git", "rev-parse", "--short", args.baseline_rev], check=True, capture_output=True, text=True,
+            cwd=KERNEL.parent.parent).stdout.strip(),
         "repeats": args.repeats,
         "cells": cells,
     }

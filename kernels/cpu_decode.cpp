@@ -1044,8 +1044,8 @@ class Decoder {
     pybind11::gil_scoped_release nogil;
     for (int64_t li = 0; li < (int64_t)layers_.size(); ++li) {
       const Layer& l = layers_[li];
-      // The key and value rows of the packed [q | k | v] matrix: whole tiles, where the q rows fill whole tiles.
-      TORCH_CHECK(hq_ * d_ % l.qkv.tile_rows() == 0, "q rows: expected a multiple of the tile height");
+      // The key and value rows of the packed [q | k | v] matrix: whole tiles, since the q rows fill whole
+      // tiles (of 4 or 8 rows: D is a multiple of 16, checked when the decoder was made).
       const int64_t q_tiles = hq_ * d_ / l.qkv.tile_rows();
       const Packed w{l.qkv.tiles.narrow(0, q_tiles, l.qkv.tiles.size(0) - q_tiles), 2 * kv_size, l.qkv.tensor_scale,
                      l.qkv.ggml};

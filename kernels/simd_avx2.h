@@ -19,7 +19,9 @@ namespace simd {
 constexpr const char* ISA = "avx2";
 constexpr int W = 8;
 constexpr int ROWS = 2;  // 2 rows x 4 tile rows = 8 accumulators of the 16 registers
-constexpr int QROWS = 8;  // GGUF tiles: 8 accumulators, a decoded block and its scales (simd_ggml_x86.h)
+// GGUF tiles: 8 accumulators beside a decoded block (measured against 4 with 4-row tiles; the 8-row Q4
+// tile's decoded block takes 8 registers, so some spill: not tuned again, simd_ggml_x86.h)
+constexpr int QROWS = 8;
 constexpr int FP4ROWS = 8;  // NVFP4 tiles: 8 accumulators, a decoded pair of tile rows and its scales (simd_fp4_x86.h)
 constexpr int REGS = 16;
 // 32 bytes per `madd`, so 2 rows x 4 tile rows of accumulators, one part of each row's activations

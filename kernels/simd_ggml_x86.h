@@ -42,8 +42,8 @@ using QPart = __m256i;  // 4 tile rows' codes of 8 consecutive elements, row r's
 struct QBlock {
   QPart part[4];  // elements 8k .. 8k + 7 in part k
 };
-using QAcc = __m256;    // lanes 2r, 2r + 1: tile row r's
-using QScale = __m256;  // a number per tile row, in both of its lanes
+using QAcc = __m256;    // 4-row tiles: lanes 2r, 2r + 1 tile row r's; 8-row tiles: lane r
+using QScale = __m256;  // a number per tile row, in each of its lanes
 
 inline QAcc q_zero() { return _mm256_setzero_ps(); }
 

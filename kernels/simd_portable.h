@@ -122,7 +122,7 @@ struct QBlock {
   int8_t q[4][32];  // [tile row][element]: Q4_K: 0 .. 15; Q6_K: 0 .. 63; Q8_0: as stored
 };
 struct QAcc {
-  float v[8];  // lanes 2r, 2r + 1: tile row r's
+  float v[8];  // 4-row tiles: lanes 2r, 2r + 1 tile row r's; 8-row tiles: lane r
 };
 using QScale = QAcc;
 
