@@ -468,7 +468,7 @@ def llama_cpp_live(prompts: list) -> dict:
     return out
 
 
-def llama_cpp_system(warm: list[int]):
+def llama_cpp_system(warm: list[int]) -> Callable[[list[list[int]]], list[tuple[list[int], int, int]]] | None:
     """llama.cpp plain on the GGUF's own weights as one of the live systems (`interleaved`, concurrency
     1): its greedy answers one at a time, as `llama_cpp_live`'s, after one warm-up answer to `warm`.
     None where llama_cpp is not installed."""
@@ -483,7 +483,7 @@ def llama_cpp_system(warm: list[int]):
 
 
 def _llama_cpp(path: Path, eos: set[int], draft: object) -> tuple[object, Callable[[list[int]], list[int]]]:
-    """A llama.cpp model on `path` (2 threads per core here, as the engine) and its greedy answer to one
+    """A llama.cpp model on `path` (a thread per core, as the engine) and its greedy answer to one
     prompt: at most `MAX_TOKENS`, ending at end-of-sequence."""
     from llama_cpp import Llama
 

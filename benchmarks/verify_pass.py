@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from specloop.engine.cpu.fused_decode import FusedDecoder
+from specloop.engine.cpu.fused_decode import MAX_ROWS, FusedDecoder
 from specloop.engine.loaders.load import (build_model, default_model_path, gguf_modules, load_for_inference,
                                           read_stored_model)
 from specloop.engine.loaders.weight_format import WeightFormat
@@ -58,8 +58,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--weights", choices=sorted(WEIGHTS), default="bf16", help="how the target holds its weights")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args()
-    if 1 not in args.rows or min(args.rows) < 1:
-        p.error("--rows: positive counts, 1 among them (every pass is set against the one-row pass)")
+    if 1 not in args.rows or min(args.rows) < 1 or max(args.rows) > MAX_ROWS:
+        p.error(f"--rows: counts from 1 to {MAX_ROWS} (the fused decoder's widest pass), 1 among them "
+                "(every pass is set against the one-row pass)")
     return args
 
 

@@ -84,14 +84,19 @@ inline QBlock q6k_block(const uint8_t* codes, int s) {
   return w;
 }
 
-// Row r's 32 codes to out[32 r .. 32 r + 31], in element order (for tests).
-inline void q_store(int8_t* out, const QBlock& w) {
+// A tile block's ROWS parts (part k: 32 / ROWS consecutive elements of every row, row r's in bytes
+// 32 / ROWS r ..) -> row r's 32 codes at out[32 r .. 32 r + 31], in element order (for tests).
+template <int ROWS>
+inline void q_store_parts(int8_t* out, const __m256i (&parts)[ROWS]) {
+  constexpr int RUN = 32 / ROWS;
   alignas(32) int8_t part[32];
-  for (int k = 0; k < 4; ++k) {
-    _mm256_store_si256(reinterpret_cast<__m256i*>(part), w.part[k]);
-    for (int r = 0; r < 4; ++r) std::memcpy(out + 32 * r + 8 * k, part + 8 * r, 8);
+  for (int k = 0; k < ROWS; ++k) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(part), parts[k]);
+    for (int r = 0; r < ROWS; ++r) std::memcpy(out + 32 * r + RUN * k, part + RUN * r, RUN);
   }
 }
+
+inline void q_store(int8_t* out, const QBlock& w) { q_store_parts(out, w.part); }
 
 // The 8 activations at xq in every row's 8 bytes.
 inline __m256i q_broadcast8(const int8_t* xq) {
@@ -145,14 +150,7 @@ inline Q4Wide q4_wide_block(const uint8_t* qs) {
   return w;
 }
 
-// Row r's 32 codes to out[32 r .. 32 r + 31], in element order (for tests).
-inline void q4_wide_store(int8_t* out, const Q4Wide& w) {
-  alignas(32) int8_t part[32];
-  for (int p = 0; p < 8; ++p) {
-    _mm256_store_si256(reinterpret_cast<__m256i*>(part), w.part[p]);
-    for (int r = 0; r < 8; ++r) std::memcpy(out + 32 * r + 4 * p, part + 4 * r, 4);
-  }
-}
+inline void q4_wide_store(int8_t* out, const Q4Wide& w) { q_store_parts(out, w.part); }
 
 // 8 rows' fp16 numbers (d or m) -> lane r, exactly.
 inline QScale q_half8(const uint8_t* half) {
