@@ -393,7 +393,7 @@ void ggml_tile_rows(const uint8_t* tile, const QuantizedQ8& x, int64_t m0, float
       const simd::Q4Wide w = simd::q4_wide_block(wc);
       for (int g = 0; g < G; ++g) {
         const int64_t xb = (m0 + g) * blocks + b;
-        acc[g] = simd::q4_wide_madd(acc[g], w, simd::q_times(d, x.scales[xb]), x.q.data() + xb * Q_BLOCK);
+        acc[g] = simd::q4_wide_madd<G>(acc[g], w, simd::q_times(d, x.scales[xb]), x.q.data() + xb * Q_BLOCK);
         acc[g] = simd::q_add_scaled(acc[g], offset, MIN ? x.sum32[xb] : -8.f * x.sum32[xb]);
       }
     }

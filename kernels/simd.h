@@ -55,8 +55,9 @@
 //   Q4Wide                   an 8-row Q4_0 or Q4_1 tile's codes of one block (0 .. 15), from its 128
 //                            interleaved bytes by q4_wide_block(qs); q4_wide_store(out, w) as q_store
 //   q_half8(h)               a QScale whose lane r is 8 rows' fp16 number h[r] (d or m), exactly
-//   q4_wide_madd(acc, w, scale, xq)  acc + per row r, in lane r, the exact integer sum of the block's 32
-//                            products with int8 activations xq [32] times lane r of `scale`
+//   q4_wide_madd<G>(acc, w, scale, xq)  acc + per row r, in lane r, the exact integer sum of the block's
+//                            32 products with int8 activations xq [32] times lane r of `scale`; G, the
+//                            activation rows meeting the block, may choose how (never the result)
 //   q_lane(acc, r)           lane r: row r's total of an 8-row tile
 //   q_quantize_block(x, q, half_sums)  32 fp32 activations -> int8 codes round(x (127 / amax)), ties
 //                            to even; the codes' sums over each 16 in half_sums; returns amax / 127

@@ -1,7 +1,7 @@
 // The AVX-512 BF16 path of the kernels' vector layer (contract in simd.h): 16 fp32 lanes, bf16
 // products by VDPBF16PS. Built with -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnni
-// -mfma -mf16c (F16C for the NVFP4 and GGUF scales, simd_fp4_x86.h). GGUF blocks take the AVX2
-// form (simd_ggml_x86.h), 256-bit.
+// -mfma -mf16c (F16C for the NVFP4 and GGUF scales, simd_fp4_x86.h). GGUF and NVFP4 blocks take the
+// AVX2 form (simd_ggml_x86.h, simd_fp4_x86.h), 256-bit, with VPDPBUSD (AVX-512 VNNI) for its sums.
 
 #pragma once
 

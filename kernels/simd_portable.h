@@ -241,6 +241,7 @@ inline QScale q_half8(const uint8_t* half) {
   return r;
 }
 
+template <int G>
 inline QAcc q4_wide_madd(QAcc acc, const Q4Wide& w, QScale scale, const int8_t* xq) {
   for (int r = 0; r < 8; ++r) {
     int32_t s = 0;

@@ -3,7 +3,7 @@ Kafka-compatible broker.
 
 Kernel tests run once per build of the C++ CPU kernels that this CPU can execute (`kernel_isa`):
 an AVX-512 BF16 machine tests its own, the AVX2 and the portable build; with `SPECLOOP_CPU_ISA`
-set, only the builds at or below it. Every build is compiled here, outside every test's timeout,
+set, only the builds at or below it. `x86_kernels` gives a test all the x86 builds at once. Every build is compiled here, outside every test's timeout,
 all at once (on a clean cache about 35 s each alone, 40 s for two together on 2 cores).
 
 Tests run torch on one thread: with two OpenMP threads a tiny model's matmuls slowed 16x (62 s vs
@@ -29,6 +29,7 @@ import sys
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -63,6 +64,16 @@ def kernel_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     cpu_plan.cache_clear()
     yield request.param
     cpu_plan.cache_clear()
+
+
+@pytest.fixture
+def x86_kernels() -> list[ModuleType]:
+    """Every x86 build of the kernels this CPU runs (an AVX-512 BF16 machine: that build and AVX2),
+    for tests that compare them; such a test is skipped where there is only one."""
+    builds = [load(isa) for isa in KERNEL_ISAS if isa != Isa.PORTABLE]
+    if len(builds) < 2:
+        pytest.skip("this CPU runs fewer than two x86 builds of the kernels")
+    return builds
 
 
 @pytest.fixture(scope="session")

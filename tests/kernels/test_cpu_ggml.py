@@ -144,6 +144,17 @@ def test_extreme_codes_stay_exact(kernel: ModuleType, qtype: GGMLQuantizationTyp
         torch.testing.assert_close(got, torch.full((rows, out), weight * 3.0 * sign * n_in), rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_the_x86_builds_agree_bit_for_bit(x86_kernels: list[ModuleType], qtype: GGMLQuantizationType) -> None:
+    """The AVX-512 build sums a block by VPDPBUSD, AVX2 by VPMADDUBSW and VPMADDWD: both sums are exact
+    integers and the fp32 steps after them are the same, so every output is the same float."""
+    raw, _ = gguf_tensor((300, 512), qtype)
+    x = torch.randn(11, 512) * 4.0
+    first, *others = (kernel.linear_ggml(x, kernel.pack_ggml(raw, int(qtype)), 300, int(qtype)) for kernel in x86_kernels)
+    for other in others:
+        assert torch.equal(other, first)
+
+
 def test_bad_input_is_refused(kernel: ModuleType) -> None:
     raw, _ = gguf_tensor((8, 64), GGMLQuantizationType.Q4_1)
     with pytest.raises(RuntimeError, match="ggml_type: 10 is not a block format"):

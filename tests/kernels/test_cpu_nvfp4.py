@@ -88,6 +88,17 @@ def test_extreme_codes_against_extreme_activations_are_exact(kernel: ModuleType,
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-3), (got - expected).abs().max()
 
 
+def test_the_x86_builds_agree_bit_for_bit(x86_kernels: list[ModuleType]) -> None:
+    """VPDPBUSD (AVX-512) and VPMADDUBSW with VPMADDWD (AVX2) give the same exact integer sums, and
+    the fp32 steps after them are the same."""
+    torch.manual_seed(0)
+    q = quantize(torch.randn(300, 576))
+    x = torch.randn(11, 576) * 4.0
+    first, *others = (nvfp4_linear(kernel, x, q) for kernel in x86_kernels)
+    for other in others:
+        assert torch.equal(other, first)
+
+
 def test_refuses_what_it_cannot_run(kernel: ModuleType) -> None:
     q = quantize(torch.randn(8, 64))
     codes, scales = q.packed, q.block_scale.view(torch.uint8)
