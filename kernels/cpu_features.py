@@ -99,6 +99,7 @@ class CpuPlan:
 
     isa: Isa  # the C++ kernels' build
     onednn_bf16: bool  # bf16 matrices past the kernel's rows run in oneDNN's bf16 path (else fp32)
+    dense_gguf_prefill: bool  # GGUF prefill chunks multiply a bf16 weight dequantized per pass (else int8 rows)
     reason: str
 
 
@@ -107,7 +108,13 @@ def plan(cpu: CpuFeatures, forced: str | None, onednn_bf16_supported: bool) -> C
     (`torch.ops.mkldnn._is_mkldnn_bf16_supported()`), which also passes on AVX-512 CPUs without bf16
     dot products: there oneDNN emulates them, and a 512-row bf16 matrix product ran 4-5x slower
     than fp32 from the same weights (576 x 3072: 30.6 vs 7.1 ms, Xeon Ice Lake, 2 cores). So oneDNN
-    bf16 is taken only where the kernels' AVX-512 BF16 build is."""
+    bf16 is taken only where the kernels' AVX-512 BF16 build is.
+
+    A GGUF prefill chunk multiplies a bf16 weight dequantized for the pass only where oneDNN has AMX:
+    on the AMX Xeon that took a 240-token prefill from 460.8 to 124.8 ms (the 4-row kernel of then),
+    but on a Zen 4 (AVX-512 BF16, no AMX) the VNNI kernel's int8 rows took 0.27-0.62x the time of
+    dequantizing and oneDNN's bf16 product at 65 to 512 rows of one 3072 x 576 matrix
+    (docs/performance.md, "GGUF weights at their own bits")."""
     isa = choose(cpu, forced)
     best = runnable(cpu)[0]
     if isa is not best:
@@ -121,8 +128,10 @@ def plan(cpu: CpuFeatures, forced: str | None, onednn_bf16_supported: bool) -> C
         why = f"no vector build for {cpu.machine}; the compiler vectorises for it"
     onednn = onednn_bf16_supported and isa is Isa.AVX512_BF16
     matrices = "oneDNN bf16" if onednn else "fp32 from the bf16 weights (no native bf16 dot products)"
-    return CpuPlan(isa, onednn, f"{cpu.model} ({cpu.machine}): C++ kernels {isa} ({why}); "
-                                f"large bf16 matrix products in {matrices}")
+    dense_prefill = onednn and "amx_bf16" in cpu.flags
+    prefill = "AMX bf16 from weights dequantized per pass" if dense_prefill else "the kernel's int8 rows"
+    return CpuPlan(isa, onednn, dense_prefill, f"{cpu.model} ({cpu.machine}): C++ kernels {isa} ({why}); "
+                                               f"large bf16 matrix products in {matrices}; GGUF prefill on {prefill}")
 
 
 def forced_isa() -> str | None:

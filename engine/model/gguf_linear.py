@@ -5,10 +5,11 @@ Q8_0, Q4_K and Q6_K blocks by the C++ kernel (`linear_ggml` in `kernels/cpu_deco
 `Transformer.named_modules` gives them: `layers.0.attn.qkv`, `lm_head`, ...) by `GgufLinear`s holding
 the kernel's tiles of those blocks: the file's bytes reordered, 4.5 (Q4_0, Q4_K), 5 (Q4_1), 6.56
 (Q6_K) or 8.5 (Q8_0) bits per weight, and nothing else. No dense copy is kept: passes run on the
-tiles, but where oneDNN has native bf16 (AVX-512 BF16, AMX) passes of more than `KERNEL_ROWS` rows
-(prefill chunks) multiply a bf16 copy made for that pass and dropped after it. Without it the kernel
+tiles, but where oneDNN has AMX (`CpuPlan.dense_gguf_prefill`) passes of more than `KERNEL_ROWS` rows
+(prefill chunks) multiply a bf16 copy made for that pass and dropped after it. Without AMX the kernel
 is the faster at every size: on the Zen 3, 256 rows of a layer matrix took 0.63-0.73x the time of
-dequantizing to fp32 and one fp32 GEMM (docs/performance.md). The LM head always runs on the tiles,
+dequantizing to fp32 and one fp32 GEMM; on a Zen 4 (AVX-512 BF16) 0.27-0.62x that of dequantizing to
+bf16 and oneDNN's bf16 GEMM (docs/performance.md). The LM head always runs on the tiles,
 so that a token's logits never depend on how many rows its pass had (prompt log-probs ask for a
 whole chunk's). A fused module (qkv, gate_up) stacks the rows of its parts, which must
 share one format and width. `weight` dequantizes on each read (the drafter's trimmed head reads it
@@ -32,7 +33,7 @@ from specloop.kernels.cpu_decode import cpu_plan
 # ggml type id -> (name, bytes per block, weights per block along a row): the formats the kernel reads.
 BLOCK_FORMATS = {2: ("Q4_0", 18, 32), 3: ("Q4_1", 20, 32), 8: ("Q8_0", 34, 32), 12: ("Q4_K", 144, 256),
                  14: ("Q6_K", 210, 256)}
-KERNEL_ROWS = 64  # with native bf16, passes of more rows multiply the weight dequantized for the pass
+KERNEL_ROWS = 64  # with AMX, passes of more rows multiply the weight dequantized for the pass
 
 
 @dataclass(frozen=True)
@@ -97,9 +98,9 @@ class GgufLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows <= KERNEL_ROWS or not self.dense_large_passes or not cpu_plan().onednn_bf16:
+        if rows <= KERNEL_ROWS or not self.dense_large_passes or not cpu_plan().dense_gguf_prefill:
             return self.kernel.linear_ggml(x, self.tiles, self.out_features, self.ggml_type, self.bias)
-        # A prefill chunk on native bf16: the weight dequantized for this pass only, one GEMM, dropped.
+        # A prefill chunk on AMX: the weight dequantized for this pass only, one GEMM, dropped.
         w = self.kernel.dequantize_ggml(self.tiles, self.out_features, self.ggml_type, self.dtype == torch.bfloat16)
         return F.linear(x.to(self.dtype), w, self.bias).to(x.dtype)
 

@@ -47,6 +47,15 @@ def test_onednn_bf16_only_with_native_bf16_dot_products() -> None:
     assert "fp32 from the bf16 weights" in zen3.reason and "AMD EPYC 7B13" in zen3.reason
 
 
+def test_gguf_prefill_is_dense_only_on_amx() -> None:
+    zen4 = plan(ZEN4, None, onednn_bf16_supported=True)
+    assert zen4.onednn_bf16 and not zen4.dense_gguf_prefill and "GGUF prefill on the kernel's int8 rows" in zen4.reason
+    amx = CpuFeatures("x86_64", "Intel Xeon Sapphire Rapids", ZEN4.flags | {"amx_bf16", "amx_tile"})
+    assert plan(amx, None, onednn_bf16_supported=True).dense_gguf_prefill
+    assert not plan(amx, None, onednn_bf16_supported=False).dense_gguf_prefill
+    assert not plan(amx, "avx2", onednn_bf16_supported=True).dense_gguf_prefill
+
+
 def test_forcing_a_lower_path_acts_as_that_cpu() -> None:
     forced = plan(ZEN4, "avx2", onednn_bf16_supported=True)
     assert forced.isa is Isa.AVX2 and not forced.onednn_bf16

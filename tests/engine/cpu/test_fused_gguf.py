@@ -57,15 +57,15 @@ def to_gguf(model: Transformer) -> tuple[Transformer, Transformer]:
 
 @pytest.mark.usefixtures("kernel_isa")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("onednn_bf16", [False, True], ids=["kernel prefill", "dense prefill"])
-def test_fused_gguf_matches_the_eager_model(tiny_llama_dir: Path, dtype: torch.dtype, onednn_bf16: bool,
+@pytest.mark.parametrize("dense_prefill", [False, True], ids=["kernel prefill", "dense prefill"])
+def test_fused_gguf_matches_the_eager_model(tiny_llama_dir: Path, dtype: torch.dtype, dense_prefill: bool,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     plan = cpu_plan()
-    monkeypatch.setattr(gguf_linear, "cpu_plan", lambda: CpuPlan(plan.isa, onednn_bf16, plan.reason))
+    monkeypatch.setattr(gguf_linear, "cpu_plan", lambda: CpuPlan(plan.isa, dense_prefill, dense_prefill, plan.reason))
     fused, reference = to_gguf(load_model(tiny_llama_dir, dtype, CPU).model)
     tokens = torch.randint(0, 300, (2, 90), generator=torch.Generator().manual_seed(0))
     # Prefills of 2 x 19 rows (past the fused pass's 32: the layers' kernel calls) and 2 x 50 (past
-    # KERNEL_ROWS: with native bf16, the dequantized weights), then decode steps through the fused pass.
+    # KERNEL_ROWS: with AMX, the dequantized weights), then decode steps through the fused pass.
     passes = [([1, 0], [0, 0], 19), ([1, 0], [19, 19], 19), ([1, 0], [38, 38], 50), ([1, 0], [88, 88], 1),
               ([0, 1], [89, 89], 1)]
     caches = {id(m): KVCache(m.config, 2, 2 * MAX_LEN, torch.float32, CPU) for m in (fused, reference)}

@@ -39,7 +39,7 @@ def test_matches_nn_linear(kernel_isa: Isa, dtype: torch.dtype, shape: tuple[int
 def test_kernel_rows_follow_the_bf16_path(monkeypatch: pytest.MonkeyPatch, onednn_bf16: bool) -> None:
     """Without native bf16 in oneDNN the kernel keeps bf16 passes up to WIDENED_ROWS, and nothing
     asks oneDNN for its bf16 layout (on an AVX2 CPU that call raises)."""
-    monkeypatch.setattr(cpu_linear, "cpu_plan", lambda: CpuPlan(Isa.AVX2, onednn_bf16, "test"))
+    monkeypatch.setattr(cpu_linear, "cpu_plan", lambda: CpuPlan(Isa.AVX2, onednn_bf16, False, "test"))
     asked = []
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda w, _: asked.append(w) or w)
     bf16 = CpuLinear(nn.Linear(96, 8).bfloat16())
@@ -54,7 +54,7 @@ def test_without_kernels_or_onednn_bf16(monkeypatch: pytest.MonkeyPatch, dtype: 
                                         shape: tuple[int, ...]) -> None:
     """A CPU where the kernels did not build and oneDNN has no bf16: plain `F.linear` for small
     passes, bf16 weights widened to fp32 for large ones, fp32 through the transposed weight."""
-    monkeypatch.setattr(cpu_linear, "cpu_plan", lambda: CpuPlan(Isa.PORTABLE, False, "test"))
+    monkeypatch.setattr(cpu_linear, "cpu_plan", lambda: CpuPlan(Isa.PORTABLE, False, False, "test"))
     monkeypatch.setattr(cpu_linear, "load", lambda: None)
     fast = check_matches(dtype, shape, bias=True)
     assert fast.kernel is None and fast.packed is None and (fast.weight_t is not None) == (dtype == torch.float32)
