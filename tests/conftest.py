@@ -71,6 +71,7 @@ def x86_kernels() -> list[ModuleType]:
     """Every x86 build of the kernels this CPU runs (an AVX-512 BF16 machine: that build and AVX2),
     for tests that compare them; such a test is skipped where there is only one."""
     builds = [load(isa) for isa in KERNEL_ISAS if isa != Isa.PORTABLE]
+    assert all(build is not None for build in builds), "an x86 build of the kernels did not load"
     if len(builds) < 2:
         pytest.skip("this CPU runs fewer than two x86 builds of the kernels")
     return builds
