@@ -3,7 +3,8 @@ Kafka-compatible broker.
 
 Kernel tests run once per build of the C++ CPU kernels that this CPU can execute (`kernel_isa`):
 an AVX-512 BF16 machine tests its own, the AVX2 and the portable build; with `SPECLOOP_CPU_ISA`
-set, only the builds at or below it. `x86_kernels` gives a test all the x86 builds at once. Every build is compiled here, outside every test's timeout,
+set, only the builds at or below it. `x86_kernels` gives a test all the x86 builds at once.
+Every build is compiled here, outside every test's timeout,
 all at once (on a clean cache about 35 s each alone, 40 s for two together on 2 cores).
 
 Tests run torch on one thread: with two OpenMP threads a tiny model's matmuls slowed 16x (62 s vs

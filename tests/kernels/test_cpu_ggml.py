@@ -150,10 +150,10 @@ def test_the_x86_builds_agree_bit_for_bit(x86_kernels: list[ModuleType], qtype: 
     integers and the fp32 steps after them are the same, so every output is the same float (1 and 2
     rows take the AVX-512 build's one-chain form, 11 rows groups of 8 and 3 its two-chain one)."""
     raw, _ = gguf_tensor((300, 512), qtype)
+    tiles = [kernel.pack_ggml(raw, int(qtype)) for kernel in x86_kernels]
     for rows in (1, 2, 11):
         x = torch.randn(rows, 512) * 4.0
-        first, *others = (kernel.linear_ggml(x, kernel.pack_ggml(raw, int(qtype)), 300, int(qtype))
-                          for kernel in x86_kernels)
+        first, *others = (k.linear_ggml(x, t, 300, int(qtype)) for k, t in zip(x86_kernels, tiles))
         for other in others:
             assert torch.equal(other, first), f"{rows} rows"
 
